@@ -1,0 +1,119 @@
+"""Drafter attention: one mask definition, two kernels.
+
+The training mask is written once, as a flex_attention ``mask_mod`` (a pure
+function of batch, head, query index and key index). The flex backend turns it
+into a sparse block mask; the SDPA backend evaluates the very same function on
+a dense grid. CUDA uses compiled flex_attention; the CPU uses SDPA because
+flex_attention on CPU has no backward in torch 2.13.
+
+Layout of one training row: keys are ``[context (S) | block 0 (B) | block 1 (B) | ...]``,
+queries are the blocks only. Query ``q`` belongs to block ``q // B``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
+
+Backend = Literal["auto", "flex", "sdpa"]
+BACKENDS = ("auto", "flex", "sdpa")
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def dflash_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_length: int, block_size: int) -> MaskMod:
+    """The DFlash training mask.
+
+    A block sees the context strictly before its anchor (the anchor's own hidden
+    state does not exist yet at inference), all of its own block, never another
+    block. A padding block (``anchor_valid`` false) sees nothing.
+    """
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        block = q_idx // block_size
+        anchor = anchors[b, block]
+        sees_context = (kv_idx < context_length) & (kv_idx < anchor)
+        sees_own_block = (kv_idx >= context_length) & ((kv_idx - context_length) // block_size == block)
+        return anchor_valid[b, block] & (sees_context | sees_own_block)
+
+    return mask_mod
+
+
+def resolve_backend(backend: Backend, device: torch.device | str) -> Literal["flex", "sdpa"]:
+    """``auto`` is flex on CUDA and SDPA elsewhere."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
+    if backend == "auto":
+        return "flex" if torch.device(device).type == "cuda" else "sdpa"
+    return backend
+
+
+@dataclass
+class TrainingMask:
+    """A mask built for one batch, in the form its backend consumes."""
+
+    backend: Literal["flex", "sdpa"]
+    block_mask: BlockMask | None = None
+    dense: torch.Tensor | None = None  # [batch, 1, Q, K] bool; empty rows opened up, see `empty_rows`
+    empty_rows: torch.Tensor | None = None  # [batch, 1, Q, 1] bool: queries that see nothing
+
+
+# Compiled once per process: an uncompiled create_block_mask materialises the dense mask.
+_compiled_create_block_mask = None
+
+
+def build_training_mask(
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    context_length: int,
+    block_size: int,
+    backend: Backend = "auto",
+    compile_block_mask: bool | None = None,
+) -> TrainingMask:
+    batch, num_anchors = anchors.shape
+    q_len = num_anchors * block_size
+    kv_len = context_length + q_len
+    device = anchors.device
+    kind = resolve_backend(backend, device)
+    mask_mod = dflash_mask_mod(anchors, anchor_valid, context_length, block_size)
+    if kind == "flex":
+        global _compiled_create_block_mask
+        if compile_block_mask is None:
+            compile_block_mask = device.type == "cuda"
+        make = create_block_mask
+        if compile_block_mask:
+            if _compiled_create_block_mask is None:
+                _compiled_create_block_mask = torch.compile(create_block_mask)
+            make = _compiled_create_block_mask
+        return TrainingMask("flex", block_mask=make(mask_mod, batch, None, q_len, kv_len, device=device))
+    dense = create_mask(mask_mod, batch, 1, q_len, kv_len, device=device)
+    empty = ~dense.any(dim=-1, keepdim=True)
+    # SDPA turns a row with no visible key into NaN, which poisons the backward;
+    # open such rows to every key and zero their output afterwards (flex gives 0).
+    return TrainingMask("sdpa", dense=dense | empty, empty_rows=empty)
+
+
+_compiled_flex_attention = None
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: TrainingMask | None, scale: float) -> torch.Tensor:
+    """Attention over ``[batch, heads, len, head_dim]`` tensors with grouped KV heads.
+
+    ``mask=None`` means every query sees every key (drafting at inference).
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+    if mask.backend == "flex":
+        global _compiled_flex_attention
+        fn = flex_attention
+        if q.device.type == "cuda":
+            if _compiled_flex_attention is None:
+                _compiled_flex_attention = torch.compile(flex_attention)
+            fn = _compiled_flex_attention
+        return fn(q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, scale=scale, enable_gqa=gqa)
+    return out.masked_fill(mask.empty_rows, 0.0)

