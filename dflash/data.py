@@ -9,6 +9,7 @@ left-padded batches, so the drafter learns the distribution it will draft for.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -113,14 +114,13 @@ class GenerationSettings:
 @torch.no_grad()
 def regenerate_responses(target: Target, prompts: list[list[int]], settings: GenerationSettings, desc: str = "regenerating responses") -> list[list[int]]:
     """The target's responses to tokenized prompts, batched with left padding; each ends at its first stop token (kept)."""
-    pad_id = target.tokenizer.pad_token_id
+    pad_id = getattr(target.tokenizer, "pad_token_id", None)
     if pad_id is None:
         pad_id = target.eos_token_ids[0]
     stop = set(target.eos_token_ids)
     # Similar lengths batch together, which wastes less padding.
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     responses: list[list[int] | None] = [None] * len(prompts)
-    generator_seed = settings.seed
     with tqdm(total=len(prompts), desc=desc, unit="prompt") as bar:
         for begin in range(0, len(order), settings.batch_size):
             batch = order[begin : begin + settings.batch_size]
@@ -132,7 +132,7 @@ def regenerate_responses(target: Target, prompts: list[list[int]], settings: Gen
                 attention[row, width - len(prompts[i]) :] = 1
             sampling = {"do_sample": False}
             if settings.temperature > 0:
-                torch.manual_seed(generator_seed + begin)
+                torch.manual_seed(settings.seed + begin)
                 sampling = {"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p}
             out = target.model.generate(
                 input_ids=input_ids.to(target.device),
@@ -216,3 +216,47 @@ def read_samples(path: str | Path) -> pd.DataFrame:
     if frame.empty:
         raise ValueError(f"{path} holds no samples")
     return frame
+
+
+def prepare_data(cfg, seed: int, target: Target, out_dir: Path) -> DataCard:
+    """The ``prepare_data`` stage: prompts → split → regenerated responses → ``train.parquet``, ``heldout.jsonl``, ``card.json``.
+
+    ``cfg`` is a ``dflash.config.DataConfig``. Held-out prompts are stored as
+    conversations (evaluation decodes them itself); only training prompts get
+    responses.
+    """
+    conversations = load_conversations(cfg.prompts.source, cfg.prompts.split)
+    train, heldout = split_conversations(conversations, cfg.heldout_fraction, seed)
+    if cfg.prompts.limit is not None:
+        train = train[: cfg.prompts.limit]
+    if cfg.heldout_limit is not None:
+        heldout = heldout[: cfg.heldout_limit]
+    if not train:
+        raise ValueError(f"data.prompts.source {cfg.prompts.source!r}: no training prompts left after the held-out split")
+    card = DataCard(source=cfg.prompts.source, prompts=len(conversations), train_prompts=len(train), heldout_prompts=len(heldout))
+    prompt_ids = [target.chat_prompt_ids(c.as_messages()) for c in train]
+    settings = GenerationSettings(
+        max_new_tokens=cfg.generation.max_new_tokens,
+        batch_size=cfg.generation.batch_size,
+        temperature=cfg.generation.temperature,
+        top_p=cfg.generation.top_p,
+        seed=seed,
+    )
+    responses = regenerate_responses(target, prompt_ids, settings)
+    samples = build_samples(train, prompt_ids, responses, cfg.max_length, target.eos_token_ids, card)
+    if samples.empty:
+        raise ValueError(f"every training sample was dropped ({card.dropped}); raise data.max_length or check the prompts")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    samples.to_parquet(out_dir / "train.parquet", index=False)
+    with open(out_dir / "heldout.jsonl", "w") as f:
+        for c in heldout:
+            f.write(json.dumps({"prompt_id": c.prompt_id, "messages": c.as_messages()}) + "\n")
+    (out_dir / "card.json").write_text(json.dumps(dataclasses.asdict(card), indent=2) + "\n")
+    return card
+
+
+def read_heldout(path: str | Path) -> list[Conversation]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: run the prepare_data stage first")
+    return [Conversation.from_messages(json.loads(line)["messages"]) for line in path.read_text().splitlines() if line.strip()]

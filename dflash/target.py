@@ -226,3 +226,34 @@ class Target:
 def select_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
     """HF ``hidden_states`` (index 0 is the embedding output) → the drafter's context features."""
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def write_manifest(source: str, dtype: str, out: Path) -> dict:
+    """The ``prepare_target`` stage: materialise the target and record what later stages load."""
+    target = Target.load(source, dtype=getattr(torch, dtype))
+    cfg = target.config
+    manifest = {
+        "source": source,
+        "path": resolve_source(source),
+        "dtype": dtype,
+        "architecture": type(target.model).__name__,
+        "num_layers": target.num_layers,
+        "hidden_size": target.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "eos_token_ids": target.eos_token_ids,
+        "has_chat_template": getattr(target.tokenizer, "chat_template", None) is not None,
+        "parameters": sum(p.numel() for p in target.model.parameters()),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def load_from_manifest(path: str | Path, device: str | torch.device = "cpu") -> Target:
+    """The target a ``prepare_target`` manifest describes (re-fetched if its cache was cleared)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: run the prepare_target stage first")
+    manifest = json.loads(path.read_text())
+    return Target.load(manifest["source"], device=device, dtype=getattr(torch, manifest["dtype"]))

@@ -9,10 +9,12 @@ metrics, resumable checkpoints).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import json
 import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,6 +207,14 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
         return grad * grad_loss.to(grad.dtype), None, None, None, None
 
 
+def compile_drafter(drafter: DFlashDrafter, enabled: bool):
+    """The drafter's forward as training runs it: compiled with dynamic shapes (sequence lengths vary per batch).
+
+    The compile-cache warmup compiles exactly this, so that training starts warm.
+    """
+    return torch.compile(drafter, dynamic=True) if enabled else drafter
+
+
 def drafter_loss(
     drafter_forward,
     target: Target,
@@ -275,6 +285,7 @@ def default_mask_token_id(target: Target) -> int:
 @dataclass
 class TrainResult:
     steps: int
+    resumed_from: int
     final_loss: float
     seconds: float
     tokens_per_second: float
@@ -287,3 +298,174 @@ def write_metrics_row(path: Path, row: dict) -> None:
         if new:
             writer.writeheader()
         writer.writerow(row)
+
+
+# -- resumable checkpoints ---------------------------------------------------------------------
+#
+# They live outside the workflow's declared outputs (Snakemake deletes those before
+# rerunning a job), one directory per run fingerprint. A checkpoint directory is
+# written under a temporary name and renamed into place: a crash, even kill -9,
+# mid-write leaves only a temporary directory, which is never loaded.
+
+_STEP_PREFIX = "step-"
+
+
+def complete_checkpoints(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if p.is_dir() and p.name.startswith(_STEP_PREFIX) and (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(_STEP_PREFIX) :]))
+
+
+def save_checkpoint(directory: Path, step: int, drafter: torch.nn.Module, optimizer, scheduler, keep: int = 2) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"{_STEP_PREFIX}{step:08d}"
+    staging = directory / f".tmp-{final.name}"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir()
+    torch.save(
+        {
+            "drafter": drafter.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+        },
+        staging / "state.pt",
+    )
+    (staging / "meta.json").write_text(json.dumps({"step": step}))
+    staging.rename(final)
+    for old in complete_checkpoints(directory)[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def load_checkpoint(path: Path, drafter: torch.nn.Module, optimizer, scheduler) -> int:
+    # weights_only: the restricted unpickler, which cannot run code from the file.
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    drafter.load_state_dict(state["drafter"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    return json.loads((path / "meta.json").read_text())["step"]
+
+
+# -- the loop ------------------------------------------------------------------------------------
+
+
+def train_drafter(
+    target: Target,
+    samples: pd.DataFrame,
+    drafter_cfg: DrafterConfig,
+    cfg: TrainConfig,
+    seed: int,
+    hidden_cache_dir: Path,
+    checkpoint_dir: Path,
+    out_dir: Path,
+    metrics_path: Path,
+    tracker=None,
+    max_steps: int | None = None,
+) -> TrainResult:
+    """Single-process training (the colocated topology with one rank); resumes from the last complete checkpoint."""
+    torch.manual_seed(seed)
+    config = drafter_config_for(target, drafter_cfg)
+    drafter = DFlashDrafter(config).to(target.device)
+    gamma = cfg.gamma or default_gamma(config.block_size)
+    store = HiddenStateCache.build(hidden_cache_dir, target, samples, config.target_layer_ids)
+    forward = compile_drafter(drafter, cfg.compile)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps_per_epoch = math.ceil(len(samples) / cfg.batch_size)
+    total = steps_per_epoch * cfg.epochs if max_steps is None else min(max_steps, steps_per_epoch * cfg.epochs)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg.warmup_ratio))
+    checkpoints = complete_checkpoints(checkpoint_dir)
+    first = load_checkpoint(checkpoints[-1], drafter, optimizer, scheduler) if checkpoints else 0
+    if first:
+        log.info("resuming from %s (step %d of %d)", checkpoints[-1], first, total)
+    elif metrics_path.exists():
+        metrics_path.unlink()  # a fresh run: rows of an earlier, different run would mislead
+    start, tokens_seen, loss_value = time.perf_counter(), 0, float("nan")
+    correct_sum = torch.zeros(config.block_size)
+    counted_sum = torch.zeros(config.block_size)
+    batches: dict[int, list[list[int]]] = {}
+    with tqdm(total=total, initial=first, desc="training drafter", unit="step") as bar:
+        for step in range(first, total):
+            epoch, index = divmod(step, steps_per_epoch)
+            if epoch not in batches:
+                batches = {epoch: global_batches(len(samples), cfg.batch_size, seed, epoch)}
+            indices = batches[epoch][index]
+            batch = make_batch(samples, indices, [store[i] for i in indices], config, cfg.max_anchors, gamma, seed, epoch)
+            loss, correct, counted = drafter_loss(forward, target, batch, cfg.attention_backend, cfg.head_chunk)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
+            optimizer.step()
+            scheduler.step()
+            tokens_seen += int(batch.input_ids.numel())
+            loss_value = float(loss)
+            correct_sum += correct.cpu()
+            counted_sum += counted.cpu()
+            elapsed = time.perf_counter() - start
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.3f}", acc1=f"{float(correct[1] / counted[1].clamp(min=1)):.2f}", tok_s=f"{tokens_seen / elapsed:.0f}")
+            done = step + 1
+            if done % cfg.log_every == 0 or done == total:
+                acc = (correct_sum / counted_sum.clamp(min=1)).tolist()
+                row = {"step": done, "epoch": epoch, "loss": loss_value, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen / elapsed}
+                row.update({f"acc_{k}": acc[k] for k in range(1, config.block_size)})
+                write_metrics_row(metrics_path, row)
+                if tracker is not None:
+                    tracker.log(row, step=done)
+                correct_sum.zero_()
+                counted_sum.zero_()
+            if done % cfg.checkpoint_every == 0 and done < total:
+                save_checkpoint(checkpoint_dir, done, drafter, optimizer, scheduler)
+    drafter.save_pretrained(out_dir)
+    elapsed = time.perf_counter() - start
+    return TrainResult(steps=total, resumed_from=first, final_loss=loss_value, seconds=elapsed, tokens_per_second=tokens_seen / max(elapsed, 1e-9))
+
+
+def check_preflight(paths: list[Path]) -> None:
+    """Training refuses to start unless every preflight verdict it depends on says ok."""
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist: run the preflight stages first (snakemake runs them before train)")
+        verdict = json.loads(path.read_text())
+        if not verdict.get("ok"):
+            raise ValueError(f"preflight verdict {path} says not ok: {verdict.get('summary') or verdict}; fix that before training")
+
+
+def run_train_stage(sections: dict, args) -> TrainResult:
+    """The ``train`` stage: drafter, metrics CSV, summary JSON under ``args.out_dir``; checkpoints under ``args.checkpoint_dir``."""
+    from dflash.config import canonical_json, config_hash
+    from dflash.data import read_samples
+    from dflash.target import load_from_manifest
+    from dflash.tracking import open_tracker
+
+    check_preflight(args.preflight)
+    target = load_from_manifest(args.target_manifest)
+    samples = read_samples(args.samples)
+    run_config = {key: json.loads(canonical_json(value)) for key, value in sections.items()} | {"seed": args.seed}
+    fingerprint = config_hash(run_config | {"samples": HiddenStateCache.cache_key(samples, target.source, [])})
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tracking = sections["tracking"]
+    tracker = open_tracker(tracking.wandb_mode, tracking.project, fingerprint, out_dir.parent / "wandb", run_config)
+    result = train_drafter(
+        target,
+        samples,
+        sections["drafter"],
+        sections["train"],
+        args.seed,
+        hidden_cache_dir=args.checkpoint_dir / "hidden-states",
+        checkpoint_dir=args.checkpoint_dir / fingerprint,
+        out_dir=out_dir / "drafter",
+        metrics_path=out_dir / "metrics.csv",
+        tracker=tracker,
+    )
+    summary = dataclasses.asdict(result) | {"fingerprint": fingerprint, "samples": len(samples)}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if tracker is not None:
+        tracker.summary(summary)
+        tracker.finish()
+    log.info("trained %d steps in %.0f s (%.0f tokens/s); drafter at %s", result.steps, result.seconds, result.tokens_per_second, out_dir / "drafter")
+    return result

@@ -1,0 +1,22 @@
+# DFlash drafter training and evaluation. Stages live in workflow/rules; each rule calls the `dflash` package.
+#   snakemake --cores 1            everything, report included
+#   snakemake --cores 1 train      preflight checks, target, data, training
+#   snakemake --cores 1 evaluate   ... and evaluation
+#   snakemake --report results/report.html
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/preflight.smk"
+include: "workflow/rules/data.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        rules.report.output,

@@ -1,0 +1,93 @@
+import json
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+
+import jsonschema
+import pytest
+import typing
+import yaml
+
+from dflash.config import Config, ConfigError, canonical_json, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = yaml.safe_load((ROOT / "workflow" / "schemas" / "config.schema.yaml").read_text())
+
+
+def test_empty_config_takes_every_default():
+    c = load_config({})
+    assert c.target.source == "embedded"
+    assert c.drafter.block_size == 16
+    assert c.train.hidden_states == "cache"
+    assert [s.name for s in c.eval.sets] == ["chat", "humaneval"]
+
+
+@pytest.mark.parametrize(
+    "raw, key",
+    [
+        ({"train": {"lrr": 1e-3}}, "train.lrr"),
+        ({"train": {"lr": "fast"}}, "train.lr"),
+        ({"train": {"epochs": 0}}, "train.epochs"),
+        ({"train": {"attention_backend": "xformers"}}, "train.attention_backend"),
+        ({"drafter": {"block_size": 1}}, "drafter.block_size"),
+        ({"data": {"generation": {"batch_size": True}}}, "data.generation.batch_size"),
+        ({"eval": {"sets": [{"name": "x"}]}}, "eval.sets[0].source"),
+        ({"topology": {"kind": "split", "nproc_per_node": 8, "target_ranks": 8}}, "topology.target_ranks"),
+        ({"topology": {"target_ranks": 2}}, "topology.target_ranks"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+def test_bad_values_are_rejected_naming_the_key(raw, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(raw)
+    assert str(err.value).startswith(key), str(err.value)
+
+
+def test_ints_are_accepted_where_floats_are_expected():
+    assert load_config({"train": {"lr": 1}}).train.lr == 1.0
+
+
+def test_canonical_json_ignores_key_order():
+    a = load_config({"train": {"lr": 1e-3, "epochs": 2}}).train
+    b = load_config({"train": {"epochs": 2, "lr": 1e-3}}).train
+    assert canonical_json(a) == canonical_json(b)
+    assert canonical_json(a) != canonical_json(load_config({"train": {"lr": 2e-3, "epochs": 2}}).train)
+
+
+def _schema_keys(schema, prefix=""):
+    keys = set()
+    for name, sub in schema.get("properties", {}).items():
+        keys.add(prefix + name)
+        if sub.get("type") == "object":
+            keys |= _schema_keys(sub, prefix + name + ".")
+        if sub.get("type") == "array" and sub.get("items", {}).get("type") == "object":
+            keys |= _schema_keys(sub["items"], prefix + name + "[].")
+    return keys
+
+
+def _dataclass_keys(kind, prefix=""):
+    keys = set()
+    hints = typing.get_type_hints(kind)
+    for f in fields(kind):
+        keys.add(prefix + f.name)
+        hint = hints[f.name]
+        if is_dataclass(hint):
+            keys |= _dataclass_keys(hint, prefix + f.name + ".")
+        if typing.get_origin(hint) is list and is_dataclass(typing.get_args(hint)[0]):
+            keys |= _dataclass_keys(typing.get_args(hint)[0], prefix + f.name + "[].")
+    return keys
+
+
+def test_schema_and_dataclasses_name_the_same_keys():
+    assert _schema_keys(SCHEMA) == _dataclass_keys(Config)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "config").glob("*.yaml")))
+def test_shipped_configs_pass_schema_and_dataclasses(path):
+    raw = yaml.safe_load(path.read_text())
+    jsonschema.validate(raw, SCHEMA)
+    load_config(raw)
+
+
+def test_schema_rejects_unknown_keys():
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"train": {"lrr": 1}}, SCHEMA)

@@ -1,0 +1,24 @@
+# Speculative decoding on the held-out and benchmark sets, against the same loop at block size 1.
+
+
+rule evaluate:
+    input:
+        package("target", "data", "model", "attention", "decode", "evaluate"),
+        manifest=rules.prepare_target.output[0],
+        drafter=rules.train.output.drafter,
+        heldout=rules.prepare_data.output.heldout,
+    output:
+        summary=report(
+            f"{RESULTS}/eval/summary.csv",
+            caption="../report/eval_summary.rst",
+            category="Evaluation",
+        ),
+        per_set=expand(f"{RESULTS}/eval/{{name}}.csv", name=[s.name for s in CFG.eval.sets]),
+    params:
+        eval=section("eval"),
+        out_dir=f"{RESULTS}/eval",
+    log:
+        f"{LOGS}/evaluate.log",
+    shell:
+        "{PY} -m dflash evaluate --eval {params.eval:q} --target-manifest {input.manifest} "
+        "--drafter {input.drafter} --heldout {input.heldout} --out-dir {params.out_dir} > {log} 2>&1"
