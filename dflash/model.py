@@ -12,6 +12,7 @@ with the target's frozen LM head.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -389,7 +390,9 @@ class DFlashDrafter(nn.Module):
         tmp_weights = directory / f".{WEIGHTS_NAME}.tmp"
         save_file(state, str(tmp_weights), metadata={"format": "pt"})
         tmp_config = directory / f".{CONFIG_NAME}.tmp"
-        tmp_config.write_text(json.dumps(self.config.to_reference_dict(), indent=2) + "\n")
+        # The config states the dtype the weights are stored in, which loaders honour.
+        stored = dataclasses.replace(self.config, dtype=str(self.fc.weight.dtype).removeprefix("torch."))
+        tmp_config.write_text(json.dumps(stored.to_reference_dict(), indent=2) + "\n")
         tmp_weights.replace(directory / WEIGHTS_NAME)
         tmp_config.replace(directory / CONFIG_NAME)
         return directory

@@ -1,0 +1,201 @@
+"""Speculative decoding: lossless against the target's own greedy decoding, with exact statistics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import EOS, MASK, build_drafter, build_target, llama_config, qwen3_config, random_prompt
+from dflash.decode import speculative_generate
+
+
+_GREEDY_MEMO: dict = {}
+
+
+def greedy(target, ids: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> list[int]:
+    """The target's own greedy decoding (transformers ``generate``), new tokens only; memoised per target and prompt."""
+    key = (id(target.model), tuple(ids[0].tolist()), max_new_tokens, eos_token_id)
+    if key not in _GREEDY_MEMO:
+        kwargs = {} if eos_token_id is None else {"eos_token_id": eos_token_id}
+        out = target.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kwargs
+        )
+        _GREEDY_MEMO[key] = (target.model, out[0, ids.shape[1] :].tolist())  # the model is kept so that its id stays unique
+    return list(_GREEDY_MEMO[key][1])
+
+
+def check_stats(gen, block_size: int, max_new_tokens: int) -> None:
+    stats = gen.stats
+    assert stats.num_output_tokens == len(gen.tokens) <= max_new_tokens
+    # One prefill plus one verify forward per step.
+    assert stats.target_forwards == 1 + len(stats.acceptance_lengths)
+    assert all(1 <= a <= block_size for a in stats.acceptance_lengths)
+    # The prefill commits one token, every step commits its acceptance length (the last one possibly cut short).
+    if stats.acceptance_lengths:
+        assert sum(stats.acceptance_lengths[:-1]) < stats.num_output_tokens - 1 <= sum(stats.acceptance_lengths)
+    else:
+        assert stats.num_output_tokens == 1
+    if block_size == 1:
+        assert stats.acceptance_lengths == [1] * (stats.num_output_tokens - 1)
+        assert stats.tau == (1.0 if stats.acceptance_lengths else 0.0)
+        assert stats.target_forwards == stats.num_output_tokens
+
+
+PROMPTS = [(3, 10), (11, 11), (24, 13)]  # (length, seed): none of these meets EOS within MAX_NEW tokens
+MAX_NEW = 21  # not a multiple of any block size: the last block is cut short
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_lossless_on_tiny_targets(any_target, block_size):
+    drafter = build_drafter(any_target.config, seed=3, init_std=0.2)
+    for length, seed in PROMPTS:
+        ids = random_prompt(length, seed)
+        expected = greedy(any_target, ids, MAX_NEW)
+        gen = speculative_generate(any_target, drafter, ids, MAX_NEW, block_size=block_size)
+        assert gen.tokens.tolist() == expected, (length, seed)
+        assert gen.tokens.dtype == torch.long
+        check_stats(gen, block_size, MAX_NEW)
+
+
+def test_tiny_targets_run_to_the_token_limit(llama_target, qwen3_target):
+    """The prompts above do not stop early on EOS, so the losslessness test covers full-length runs."""
+    for target in (llama_target, qwen3_target):
+        assert target.eos_token_ids == [EOS]
+        for length, seed in PROMPTS:
+            assert len(greedy(target, random_prompt(length, seed), MAX_NEW)) == MAX_NEW
+
+
+def test_baseline_without_drafter_is_greedy(qwen3_target):
+    ids = random_prompt(9, 5)
+    gen = speculative_generate(qwen3_target, None, ids, 13)
+    assert gen.tokens.tolist() == greedy(qwen3_target, ids, 13)
+    assert gen.stats.block_size == 1
+    check_stats(gen, 1, 13)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        speculative_generate(qwen3_target, None, ids, 13, block_size=4)
+
+
+def test_one_new_token_is_the_prefill_only(qwen3_target, qwen3_drafter):
+    ids = random_prompt(6, 6)
+    gen = speculative_generate(qwen3_target, qwen3_drafter, ids, 1, block_size=8)
+    assert gen.tokens.tolist() == greedy(qwen3_target, ids, 1)
+    assert gen.stats.acceptance_lengths == [] and gen.stats.target_forwards == 1 and gen.stats.tau == 0.0
+
+
+def test_rejects_bad_requests(qwen3_target, qwen3_drafter):
+    with pytest.raises(ValueError, match="one request"):
+        speculative_generate(qwen3_target, qwen3_drafter, torch.ones(2, 4, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
+        speculative_generate(qwen3_target, qwen3_drafter, torch.ones(1, 4, dtype=torch.long), 0)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_stops_on_a_stop_token_like_generate(any_target, block_size):
+    """Pick a token that greedy decoding emits mid-stream and make it the stop token: both stop right after it."""
+    drafter = build_drafter(any_target.config, seed=3, init_std=0.2)
+    ids = random_prompt(7, 21)
+    free_run = greedy(any_target, ids, 30)
+    stop_at = next(i for i in range(4, 30) if free_run[i] not in free_run[:i])
+    stop = free_run[stop_at]
+    expected = free_run[: stop_at + 1]
+    assert greedy(any_target, ids, 30, eos_token_id=stop) == expected
+    gen = speculative_generate(any_target, drafter, ids, 30, block_size=block_size, stop_token_ids=[stop])
+    assert gen.tokens.tolist() == expected
+    check_stats(gen, block_size, 30)
+    # No stop tokens at all: runs to the token limit, like the free run.
+    assert len(free_run) == 30
+    assert speculative_generate(any_target, drafter, ids, 30, block_size=block_size, stop_token_ids=[]).tokens.tolist() == free_run
+
+
+@pytest.mark.parametrize("make_config", [llama_config, qwen3_config], ids=["llama", "qwen3"])
+def test_lossless_under_partial_acceptance(make_config):
+    """An 8-token vocabulary makes random drafts right often enough to exercise partial acceptance and cache rollback."""
+    config = make_config(vocab_size=8, eos_token_id=None, pad_token_id=0)
+    target = build_target(config, seed=0)
+    drafter = build_drafter(config, seed=0, init_std=0.2, mask_token_id=7)
+    seen = set()
+    for block_size in (4, 8):
+        for length, seed in ((5, 0), (8, 1), (11, 2)):
+            ids = torch.randint(0, 7, (1, length), generator=torch.Generator().manual_seed(seed))
+            expected = greedy(target, ids, 32)
+            gen = speculative_generate(target, drafter, ids, 32, block_size=block_size)
+            assert gen.tokens.tolist() == expected
+            check_stats(gen, block_size, 32)
+            seen.update(a for a in gen.stats.acceptance_lengths[:-1] if 1 < a < block_size)
+    assert seen, "no partially accepted block: the test did not exercise cache rollback"
+
+
+# -- an oracle drafter with a known acceptance --------------------------------------------------
+
+CONSTANT = 42
+
+
+def constant_target():
+    """A target whose greedy output is always token 42, whatever the context.
+
+    All attention and MLP outputs are zeroed, so the last hidden state is the
+    normalised embedding of the current token; every embedding is positive and
+    the LM-head row of token 42 is all ones, so token 42 wins by a wide margin.
+    """
+    target = build_target(llama_config(), seed=7)
+    model = target.model
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.abs_().add_(0.01)
+        model.lm_head.weight[CONSTANT] = 1.0
+    return target
+
+
+def constant_drafter(target, sign: float, block_size: int):
+    """A drafter whose output at every mask position is ``sign`` times the normalised (positive) mask embedding.
+
+    With ``sign=+1`` its LM-head argmax is token 42 (an oracle for ``constant_target``);
+    with ``sign=-1`` token 42 scores lowest, so it is always wrong.
+    """
+    drafter = build_drafter(target.config, seed=8, block_size=block_size)
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        drafter.norm.weight.fill_(sign)
+    return drafter
+
+
+def test_oracle_drafter_is_accepted_in_full():
+    target = constant_target()
+    drafter = constant_drafter(target, +1.0, block_size=8)
+    ids = random_prompt(5, 30)
+    assert greedy(target, ids, 33) == [CONSTANT] * 33
+    with torch.no_grad():  # the oracle really proposes 42 at every mask position
+        block = target.embed(torch.tensor([[CONSTANT] + [MASK] * 7]))
+        hidden = drafter(torch.randn(1, 3, 3 * 64), block, torch.arange(3)[None], torch.arange(3, 11)[None])
+        assert target.lm_head(hidden[:, 1:]).argmax(-1).tolist() == [[CONSTANT] * 7]
+
+    gen = speculative_generate(target, drafter, ids, 33, block_size=8)
+    assert gen.tokens.tolist() == [CONSTANT] * 33
+    # 1 token from the prefill, then 4 steps of 8 (7 drafts + 1 bonus) = 33.
+    assert gen.stats.acceptance_lengths == [8, 8, 8, 8]
+    assert gen.stats.tau == 8.0 and gen.stats.target_forwards == 5
+    assert gen.stats.per_position_acceptance == [1.0] * 7
+
+    # A budget that ends inside a block: 1 + 8 + 8 + 4 = 21, the last verify is 5 wide.
+    gen = speculative_generate(target, drafter, ids, 21, block_size=8)
+    assert gen.tokens.tolist() == [CONSTANT] * 21
+    assert gen.stats.acceptance_lengths == [8, 8, 5]
+
+    # Block size 16 with the same weights: 1 + 16 + 16.
+    gen = speculative_generate(target, drafter, ids, 33, block_size=16)
+    assert gen.stats.acceptance_lengths == [16, 16] and gen.stats.tau == 16.0
+
+
+def test_always_wrong_drafter_gains_nothing_and_loses_nothing():
+    target = constant_target()
+    drafter = constant_drafter(target, -1.0, block_size=8)
+    ids = random_prompt(5, 30)
+    gen = speculative_generate(target, drafter, ids, 17, block_size=8)
+    assert gen.tokens.tolist() == [CONSTANT] * 17
+    assert gen.stats.acceptance_lengths == [1] * 16
+    assert gen.stats.tau == 1.0 and gen.stats.target_forwards == 17
+    assert gen.stats.per_position_acceptance == [0.0] * 7
