@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from dflash.attention import build_training_mask
 from dflash.config import DrafterConfig, TrainConfig
 from dflash.model import DFlashConfig, DFlashDrafter
-from dflash.objective import Blocks, build_blocks, default_gamma, position_accuracy, sample_anchors
+from dflash.objective import Blocks, build_blocks, default_gamma, position_accuracy, sample_anchors, sample_positions
 from dflash.target import Target
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,7 @@ class Batch:
     anchors: torch.Tensor  # [b, A]
     valid: torch.Tensor  # [b, A]
     blocks: Blocks
+    weight_total: torch.Tensor  # the loss normaliser: the decay weights' sum before any position sampling
 
     @property
     def tokens(self) -> int:
@@ -152,8 +153,10 @@ def make_batch(
     gamma: float,
     seed: int,
     epoch: int,
+    sample_loss_positions: bool = False,
 ) -> Batch:
-    """Pad the samples and draw their anchors; each sample's anchors depend on (seed, epoch, sample index) only."""
+    """Pad the samples and draw their anchors (and sampled loss positions); all randomness of a
+    sample depends on (seed, epoch, sample index) only, never on the batch or the topology."""
     ids, _ = pad_rows([samples["input_ids"].iloc[i] for i in indices], pad_value=0)
     loss_mask, _ = pad_rows([samples["loss_mask"].iloc[i] for i in indices], pad_value=0)
     loss_mask = loss_mask.bool()
@@ -168,7 +171,10 @@ def make_batch(
         valid.append(v)
     anchors, valid = torch.cat(anchors), torch.cat(valid)
     blocks = build_blocks(ids, loss_mask, anchors, valid, config.block_size, config.mask_token_id, gamma)
-    return Batch(ids, loss_mask, feats, anchors, valid, blocks)
+    weight_total = blocks.weights.sum()
+    if sample_loss_positions:
+        blocks.weights = torch.cat([sample_positions(w[None], _seeded(seed, epoch, i, 1)) for i, w in zip(indices, blocks.weights)])
+    return Batch(ids, loss_mask, feats, anchors, valid, blocks, weight_total)
 
 
 class FrozenHeadCrossEntropy(torch.autograd.Function):
@@ -180,8 +186,7 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, weights, chunk):
-        total = weights.sum()
+    def forward(ctx, hidden, head_weight, labels, weights, total, chunk):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         predictions = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
@@ -204,7 +209,7 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_predictions):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None
 
 
 def compile_drafter(drafter: DFlashDrafter, enabled: bool):
@@ -234,7 +239,12 @@ def drafter_loss(
     weights = blocks.weights.to(device).flatten()
     rows = weights.nonzero().squeeze(1)
     loss, predictions = FrozenHeadCrossEntropy.apply(
-        hidden.flatten(0, 1)[rows], target.lm_head.weight, blocks.labels.to(device).flatten()[rows], weights[rows], head_chunk
+        hidden.flatten(0, 1)[rows],
+        target.lm_head.weight,
+        blocks.labels.to(device).flatten()[rows],
+        weights[rows],
+        batch.weight_total.to(device),
+        head_chunk,
     )
     all_predictions = torch.full_like(weights, -1, dtype=torch.long)
     all_predictions[rows] = predictions
@@ -393,7 +403,9 @@ def train_drafter(
             if epoch not in batches:
                 batches = {epoch: global_batches(len(samples), cfg.batch_size, seed, epoch)}
             indices = batches[epoch][index]
-            batch = make_batch(samples, indices, [store[i] for i in indices], config, cfg.max_anchors, gamma, seed, epoch)
+            batch = make_batch(
+                samples, indices, [store[i] for i in indices], config, cfg.max_anchors, gamma, seed, epoch, cfg.sample_loss_positions
+            )
             loss, correct, counted = drafter_loss(forward, target, batch, cfg.attention_backend, cfg.head_chunk)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

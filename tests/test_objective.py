@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dflash.objective import build_blocks, decayed_loss, default_gamma, position_accuracy, sample_anchors, weighted_rows
+from dflash.objective import build_blocks, decayed_loss, default_gamma, position_accuracy, sample_anchors
 
 # -- anchors ----------------------------------------------------------------------------------
 
@@ -111,7 +111,7 @@ def test_build_blocks_on_a_hand_made_case():
         ]
     )  # fmt: skip
     torch.testing.assert_close(blocks.weights, expected_weights, rtol=0, atol=1e-7)
-    assert weighted_rows(blocks).tolist() == [1, 2, 5, 7]
+    assert blocks.weights.flatten().nonzero().squeeze(1).tolist() == [1, 2, 5, 7]
 
 
 def test_block_weights_follow_the_recipes_decay():

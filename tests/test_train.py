@@ -1,0 +1,59 @@
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from dflash.objective import decayed_loss, sample_positions
+from dflash.train import FrozenHeadCrossEntropy, epoch_order, global_batches, lr_factor, rank_slice
+
+
+def test_frozen_head_cross_entropy_matches_autograd_of_the_decayed_loss():
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    head = torch.randn(50, 16)
+    labels = torch.randint(0, 50, (37,))
+    weights = torch.rand(37)
+    total = weights.sum() * 1.3  # a normaliser other than the weights' own sum, as with sampled positions
+    loss, predictions = FrozenHeadCrossEntropy.apply(hidden, head, labels, weights, total, 8)  # chunks of 8 rows
+    loss.backward()
+    chunked_grad = hidden.grad.clone()
+    hidden.grad = None
+    reference = decayed_loss(hidden @ head.t(), labels, weights, total)
+    reference.backward()
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    torch.testing.assert_close(chunked_grad, hidden.grad, rtol=1e-5, atol=1e-7)
+    assert torch.equal(predictions, (hidden @ head.t()).argmax(-1))
+
+
+def test_sampled_positions_are_unbiased_and_cheaper():
+    decay = torch.exp(-torch.arange(15.0) / 7.0)
+    weights = torch.cat([torch.zeros(1), decay]).repeat(4, 1)  # 4 blocks of B=16, position 0 unweighted
+    weights[3] = 0.0  # a padding block
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_positions(weights, generator) for _ in range(4000)])
+    assert set(draws.unique().tolist()) <= {0.0, 1.0}  # kept positions carry the max weight
+    assert draws[:, 3].sum() == 0 and draws[:, :, 0].sum() == 0  # zero weight is never kept
+    torch.testing.assert_close(draws.mean(0), weights, atol=0.03, rtol=0)
+    kept_per_block = (draws[:, 0] > 0).sum(-1).float().mean()
+    assert kept_per_block == pytest.approx(float(decay.sum()), abs=0.1)  # ~6.7 of 15 LM-head rows at γ=7
+
+
+def test_sample_order_is_a_function_of_seed_and_epoch_only():
+    assert epoch_order(10, seed=3, epoch=1) == epoch_order(10, seed=3, epoch=1)
+    assert sorted(epoch_order(10, seed=3, epoch=1)) == list(range(10))
+    assert epoch_order(10, seed=3, epoch=1) != epoch_order(10, seed=3, epoch=2)
+    batches = global_batches(10, 4, seed=0, epoch=0)
+    assert [len(b) for b in batches] == [4, 4, 2]
+    assert sorted(i for b in batches for i in b) == list(range(10))
+    shares = [rank_slice(batches[0], r, 3) for r in range(3)]
+    assert sorted(i for s in shares for i in s) == sorted(batches[0])
+
+
+def test_learning_rate_warms_up_then_decays_to_zero():
+    total, warmup = 100, 0.04
+    assert lr_factor(0, total, warmup) == pytest.approx(0.25)
+    assert lr_factor(3, total, warmup) == pytest.approx(1.0)
+    assert lr_factor(4, total, warmup) == pytest.approx(1.0)
+    assert lr_factor(52, total, warmup) == pytest.approx(0.5, abs=1e-6)
+    assert lr_factor(100, total, warmup) == pytest.approx(0.0, abs=1e-12)
