@@ -9,8 +9,8 @@ configfile: "config/config.yaml"
 
 
 include: "workflow/rules/common.smk"
-include: "workflow/rules/preflight.smk"
 include: "workflow/rules/data.smk"
+include: "workflow/rules/preflight.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"

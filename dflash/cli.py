@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from dflash import config as C
+from dflash.preflight.cli import add_subcommands
 
 
 def _section(kind):
@@ -84,7 +85,7 @@ def evaluate(args) -> None:
 def report(args) -> None:
     from dflash.report import build_report
 
-    build_report(args.results, args.out_dir)
+    build_report(args.metrics, args.train_summary, args.card, args.eval_summary, args.out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,13 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     _add(
         sub, "evaluate", "speculative decoding on the evaluation sets", {"eval": C.EvalConfig}, ["target_manifest", "drafter", "heldout", "out_dir"]
     ).set_defaults(run=evaluate)
-    _add(sub, "report", "plots and an HTML summary", {}, ["results", "out_dir"]).set_defaults(run=report)
-    try:
-        from dflash.preflight.cli import add_subcommands
-    except ImportError:
-        add_subcommands = None
-    if add_subcommands is not None:
-        add_subcommands(sub)
+    _add(sub, "report", "plots and an HTML summary", {}, ["metrics", "train_summary", "card", "eval_summary", "out_dir"]).set_defaults(run=report)
+    add_subcommands(sub)
     args = parser.parse_args(argv)
     try:
         args.run(args)

@@ -78,18 +78,18 @@ def _table(frame: pd.DataFrame) -> str:
     return frame.to_html(index=False, float_format=lambda x: f"{x:.3f}", border=0, classes="table")
 
 
-def build_report(results: Path, out_dir: Path) -> list[Path]:
-    """``results`` holds ``train/metrics.csv``, ``train/summary.json``, ``data/card.json``, ``eval/summary.csv`` and ``eval/<set>.csv``."""
+def build_report(metrics_csv: Path, train_summary_json: Path, card_json: Path, eval_summary_csv: Path, out_dir: Path) -> list[Path]:
+    """The stages' artifacts → plots and ``summary.html``; per-prompt rows are read from ``<set>.csv`` beside the eval summary."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    metrics = pd.read_csv(results / "train" / "metrics.csv")
-    summary = pd.read_csv(results / "eval" / "summary.csv")
-    per_prompt = {name: pd.read_csv(results / "eval" / f"{name}.csv") for name in summary["set"]}
+    metrics = pd.read_csv(metrics_csv)
+    summary = pd.read_csv(eval_summary_csv)
+    per_prompt = {name: pd.read_csv(eval_summary_csv.parent / f"{name}.csv") for name in summary["set"]}
     plot_training_curves(metrics, out_dir / PLOTS[0])
     plot_acceptance_histogram(per_prompt, out_dir / PLOTS[1])
     plot_position_acceptance(per_prompt, out_dir / PLOTS[2])
     plot_speedup(summary, out_dir / PLOTS[3])
-    card = json.loads((results / "data" / "card.json").read_text())
-    train_summary = json.loads((results / "train" / "summary.json").read_text())
+    card = json.loads(card_json.read_text())
+    train_summary = json.loads(train_summary_json.read_text())
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>DFlash run summary</title>
 <style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}} .table td,.table th{{padding:.2em .8em;text-align:right}}</style></head>

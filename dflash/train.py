@@ -28,6 +28,7 @@ from dflash.attention import build_training_mask
 from dflash.config import DrafterConfig, TrainConfig
 from dflash.model import DFlashConfig, DFlashDrafter
 from dflash.objective import Blocks, build_blocks, default_gamma, position_accuracy, sample_anchors, sample_positions
+from dflash.preflight.warmup import log_compile_cache_hits, use_warm_cache
 from dflash.target import Target
 
 log = logging.getLogger(__name__)
@@ -252,6 +253,26 @@ def drafter_loss(
     return loss, correct, counted
 
 
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast on GPU (fp32 master weights), none on CPU, unless the config says otherwise."""
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def train_step(forward, drafter: torch.nn.Module, optimizer, target: Target, batch: Batch, cfg: TrainConfig):
+    """One optimizer step: loss, backward, clipping, update. The compile-cache warmup runs exactly this."""
+    device = target.device
+    dtype = autocast_dtype(cfg.precision, device)
+    with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        loss, correct, counted = drafter_loss(forward, target, batch, cfg.attention_backend, cfg.head_chunk)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
+    optimizer.step()
+    return loss, correct, counted, grad_norm
+
+
 # -- the loop ------------------------------------------------------------------------------------
 
 
@@ -299,6 +320,7 @@ class TrainResult:
     final_loss: float
     seconds: float
     tokens_per_second: float
+    compile_cache: dict  # hits and misses after the first step: misses mean the warmup did not cover a graph
 
 
 def write_metrics_row(path: Path, row: dict) -> None:
@@ -393,7 +415,7 @@ def train_drafter(
         log.info("resuming from %s (step %d of %d)", checkpoints[-1], first, total)
     elif metrics_path.exists():
         metrics_path.unlink()  # a fresh run: rows of an earlier, different run would mislead
-    start, tokens_seen, loss_value = time.perf_counter(), 0, float("nan")
+    start, tokens_seen, loss_value, compile_cache = time.perf_counter(), 0, float("nan"), {}
     correct_sum = torch.zeros(config.block_size)
     counted_sum = torch.zeros(config.block_size)
     batches: dict[int, list[list[int]]] = {}
@@ -406,11 +428,7 @@ def train_drafter(
             batch = make_batch(
                 samples, indices, [store[i] for i in indices], config, cfg.max_anchors, gamma, seed, epoch, cfg.sample_loss_positions
             )
-            loss, correct, counted = drafter_loss(forward, target, batch, cfg.attention_backend, cfg.head_chunk)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
-            optimizer.step()
+            loss, correct, counted, grad_norm = train_step(forward, drafter, optimizer, target, batch, cfg)
             scheduler.step()
             tokens_seen += int(batch.input_ids.numel())
             loss_value = float(loss)
@@ -420,6 +438,8 @@ def train_drafter(
             bar.update(1)
             bar.set_postfix(loss=f"{loss_value:.3f}", acc1=f"{float(correct[1] / counted[1].clamp(min=1)):.2f}", tok_s=f"{tokens_seen / elapsed:.0f}")
             done = step + 1
+            if step == first and cfg.compile:
+                compile_cache = log_compile_cache_hits(log)
             if done % cfg.log_every == 0 or done == total:
                 acc = (correct_sum / counted_sum.clamp(min=1)).tolist()
                 row = {"step": done, "epoch": epoch, "loss": loss_value, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen / elapsed}
@@ -433,17 +453,41 @@ def train_drafter(
                 save_checkpoint(checkpoint_dir, done, drafter, optimizer, scheduler)
     drafter.save_pretrained(out_dir)
     elapsed = time.perf_counter() - start
-    return TrainResult(steps=total, resumed_from=first, final_loss=loss_value, seconds=elapsed, tokens_per_second=tokens_seen / max(elapsed, 1e-9))
+    return TrainResult(
+        steps=total,
+        resumed_from=first,
+        final_loss=loss_value,
+        seconds=elapsed,
+        tokens_per_second=tokens_seen / max(elapsed, 1e-9),
+        compile_cache=compile_cache,
+    )
 
 
-def check_preflight(paths: list[Path]) -> None:
-    """Training refuses to start unless every preflight verdict it depends on says ok."""
+def check_preflight(paths: list[Path], topology) -> dict[str, dict]:
+    """Training refuses to start unless every preflight verdict says ok and the race verdict says the
+    configured execution is safe. Returns the verdicts by stage (warmups by device)."""
+    from dflash.preflight.race import execution_is_safe
+    from dflash.preflight.verdict import read_verdict
+
+    verdicts = {}
     for path in paths:
-        if not path.is_file():
+        if not Path(path).is_file():
             raise FileNotFoundError(f"{path} does not exist: run the preflight stages first (snakemake runs them before train)")
-        verdict = json.loads(path.read_text())
-        if not verdict.get("ok"):
-            raise ValueError(f"preflight verdict {path} says not ok: {verdict.get('summary') or verdict}; fix that before training")
+        stage = json.loads(Path(path).read_text()).get("stage", "?")
+        verdict = read_verdict(path, stage) | {"path": str(path)}
+        verdicts[f"warmup_cache/{verdict['device']}" if stage == "warmup_cache" else stage] = verdict
+    if "repro_fx_race" in verdicts:
+        # One process per device, one thread each calling compiled code: the FX flag is never shared.
+        safe, reason = execution_is_safe(verdicts["repro_fx_race"], topology, threads_per_process=1)
+        if not safe:
+            raise RuntimeError(f"training would hit the torch.compile FX-tracing race: {reason}")
+        log.info("repro_fx_race: %s", reason)
+    return verdicts
+
+
+def device_name(kind: str, local_rank: int = 0) -> str:
+    """The device wildcard of the preflight stages: ``cpu`` or ``cuda<local rank>``."""
+    return "cpu" if kind == "cpu" else f"cuda{local_rank}"
 
 
 def run_train_stage(sections: dict, args) -> TrainResult:
@@ -453,7 +497,13 @@ def run_train_stage(sections: dict, args) -> TrainResult:
     from dflash.target import load_from_manifest
     from dflash.tracking import open_tracker
 
-    check_preflight(args.preflight)
+    verdicts = check_preflight(args.preflight, sections["topology"])
+    if sections["train"].compile:
+        warmup = verdicts.get(f"warmup_cache/{device_name(sections['topology'].device)}")
+        if warmup is None:
+            log.warning("no compile-cache warmup for this device: the first training step compiles cold")
+        else:
+            use_warm_cache(warmup["path"])
     target = load_from_manifest(args.target_manifest)
     samples = read_samples(args.samples)
     run_config = {key: json.loads(canonical_json(value)) for key, value in sections.items()} | {"seed": args.seed}

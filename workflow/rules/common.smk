@@ -1,7 +1,8 @@
-# Helpers shared by every rule: the validated config, per-rule config sections, the package files a rule runs.
+# Helpers shared by all stages: the validated config, per-stage config sections, the package files each stage runs.
 import sys
 from pathlib import Path
 
+from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
 sys.path.insert(0, workflow.basedir)
@@ -14,10 +15,14 @@ try:
 except ConfigError as err:
     raise ValueError(f"config error: {err}") from None
 
-# The interpreter running Snakemake: shell commands then work from a venv that was never activated.
-PY = sys.executable
 RESULTS = "results"
 LOGS = f"{RESULTS}/logs"
+ENV = "../../envs/dflash.yaml"
+
+# Shell commands run `python -m dflash`: the interpreter running Snakemake, so that a venv works without
+# being activated; under --sdm conda the conda environment of the job provides python instead.
+if DeploymentMethod.CONDA not in workflow.deployment_settings.deployment_method:
+    shell.prefix(f'export PATH="{Path(sys.executable).parent}:$PATH"; ')
 
 
 def section(*keys):
@@ -30,5 +35,5 @@ def section(*keys):
 
 
 def package(*modules):
-    """The package files a rule runs: code inside an installed package is otherwise invisible to Snakemake."""
-    return [f"dflash/{m}.py" for m in ("__init__", "cli", "config") + modules]
+    """The package files a job runs: code inside an installed package is otherwise invisible to Snakemake."""
+    return [f"{workflow.basedir}/dflash/{m}.py" for m in ("__init__", "cli", "config") + modules]

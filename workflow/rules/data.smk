@@ -8,10 +8,12 @@ rule prepare_target:
         target=section("target"),
     input:
         package("target"),
+    conda:
+        ENV
     log:
         f"{LOGS}/prepare_target.log",
     shell:
-        "{PY} -m dflash prepare-target --target {params.target:q} --out {output} > {log} 2>&1"
+        "python -m dflash prepare-target --target {params.target:q} --out {output} > {log} 2>&1"
 
 
 rule prepare_data:
@@ -25,9 +27,11 @@ rule prepare_data:
     params:
         data=section("data"),
         seed=CFG.seed,
-        out_dir=f"{RESULTS}/data",
+        out_dir=lambda wc, output: Path(output.samples).parent,
+    conda:
+        ENV
     log:
         f"{LOGS}/prepare_data.log",
     shell:
-        "{PY} -m dflash prepare-data --data {params.data:q} --seed {params.seed} "
+        "python -m dflash prepare-data --data {params.data:q} --seed {params.seed} "
         "--target-manifest {input.manifest} --out-dir {params.out_dir} > {log} 2>&1"

@@ -16,9 +16,11 @@ rule evaluate:
         per_set=expand(f"{RESULTS}/eval/{{name}}.csv", name=[s.name for s in CFG.eval.sets]),
     params:
         eval=section("eval"),
-        out_dir=f"{RESULTS}/eval",
+        out_dir=lambda wc, output: Path(output.summary).parent,
+    conda:
+        ENV
     log:
         f"{LOGS}/evaluate.log",
     shell:
-        "{PY} -m dflash evaluate --eval {params.eval:q} --target-manifest {input.manifest} "
+        "python -m dflash evaluate --eval {params.eval:q} --target-manifest {input.manifest} "
         "--drafter {input.drafter} --heldout {input.heldout} --out-dir {params.out_dir} > {log} 2>&1"

@@ -4,11 +4,11 @@
 rule report:
     input:
         package("report"),
-        rules.train.output.metrics,
-        rules.train.output.summary,
-        rules.prepare_data.output.card,
-        rules.evaluate.output.summary,
-        rules.evaluate.output.per_set,
+        metrics=rules.train.output.metrics,
+        train_summary=rules.train.output.summary,
+        card=rules.prepare_data.output.card,
+        eval_summary=rules.evaluate.output.summary,
+        per_set=rules.evaluate.output.per_set,
     output:
         curves=report(f"{RESULTS}/report/training_curves.png", caption="../report/training_curves.rst", category="Training"),
         histogram=report(
@@ -20,9 +20,11 @@ rule report:
         speedup=report(f"{RESULTS}/report/speedup.png", caption="../report/speedup.rst", category="Evaluation"),
         html=report(f"{RESULTS}/report/summary.html", caption="../report/summary.rst", category="Summary"),
     params:
-        results=RESULTS,
-        out_dir=f"{RESULTS}/report",
+        out_dir=lambda wc, output: Path(output.html).parent,
+    conda:
+        ENV
     log:
         f"{LOGS}/report.log",
     shell:
-        "{PY} -m dflash report --results {params.results} --out-dir {params.out_dir} > {log} 2>&1"
+        "python -m dflash report --metrics {input.metrics} --train-summary {input.train_summary} --card {input.card} "
+        "--eval-summary {input.eval_summary} --out-dir {params.out_dir} > {log} 2>&1"

@@ -22,14 +22,16 @@ rule train:
         topology=section("topology"),
         tracking=section("tracking"),
         seed=CFG.seed,
-        out_dir=f"{RESULTS}/train",
+        out_dir=lambda wc, output: Path(output.summary).parent,
         # Resumable checkpoints and the hidden-state cache live outside the declared
         # outputs, which Snakemake deletes before rerunning a job.
         checkpoint_dir=f"{RESULTS}/cache/train",
+    conda:
+        ENV
     log:
         f"{LOGS}/train.log",
     shell:
-        "{PY} -m dflash train --drafter {params.drafter:q} --train {params.train:q} "
+        "python -m dflash train --drafter {params.drafter:q} --train {params.train:q} "
         "--topology {params.topology:q} --tracking {params.tracking:q} --seed {params.seed} "
         "--target-manifest {input.manifest} --samples {input.samples} --preflight {input.preflight} "
         "--out-dir {params.out_dir} --checkpoint-dir {params.checkpoint_dir} > {log} 2>&1"

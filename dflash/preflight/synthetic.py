@@ -1,0 +1,68 @@
+"""Synthetic targets and batches: the shapes training uses, without its data.
+
+Preflight stages and tests need a target, samples and target features of the
+right shapes, not of the right values: a tiny random Llama stands in for the
+target, random token rows for the samples, random features for the target's
+hidden states. Batches still go through ``dflash.train.make_batch``, so they
+are laid out exactly as in training.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dflash.model import DFlashConfig
+from dflash.target import Target
+from dflash.train import Batch, make_batch
+
+TINY_TARGET = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+)
+
+
+def tiny_target(device: str | torch.device = "cpu", seed: int = 0) -> Target:
+    """A random 4-layer Llama with a 128-token vocabulary; builds in milliseconds."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(LlamaConfig(**TINY_TARGET))
+    return Target.from_model(model.to(device), source="tiny-random-llama")
+
+
+def tiny_drafter_config(target: Target, block_size: int = 4) -> DFlashConfig:
+    return DFlashConfig.for_target(target.config, mask_token_id=target.config.vocab_size - 1, num_context_features=2, block_size=block_size)
+
+
+def synthetic_samples(lengths: list[int], vocab_size: int, seed: int = 0) -> pd.DataFrame:
+    """Rows as ``prepare_data`` writes them: a prompt (no loss) then a response (loss) of two thirds of the row."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for i, length in enumerate(lengths):
+        prompt = length // 3
+        rows.append(
+            {
+                "prompt_id": f"synthetic-{i}",
+                "input_ids": torch.randint(0, vocab_size, (length,), generator=generator).tolist(),
+                "loss_mask": [0] * prompt + [1] * (length - prompt),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def synthetic_batch(
+    config: DFlashConfig, lengths: list[int], max_anchors: int, gamma: float, seed: int = 0, sample_loss_positions: bool = False
+) -> Batch:
+    """One training batch of rows with these lengths, built by ``make_batch`` on random target features."""
+    samples = synthetic_samples(lengths, config.vocab_size, seed)
+    generator = torch.Generator().manual_seed(seed)
+    width = len(config.target_layer_ids) * config.hidden_size
+    features = [torch.randn(length, width, generator=generator) for length in lengths]
+    return make_batch(samples, list(range(len(lengths))), features, config, max_anchors, gamma, seed, epoch=0, sample_loss_positions=sample_loss_positions)

@@ -1,0 +1,280 @@
+"""The preflight stages, with known answers and injected faults.
+
+Fast checks first; the stages that compile (the FX race, the compile-cache
+warmup) are marked slow and run through the command line, so that the JSON
+verdict contract is checked as the workflow reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+from dflash.config import PreflightConfig, TopologyConfig, TrainConfig
+from dflash.fx_race import fx_race_safe, fx_tracing_flag
+from dflash.preflight import cli
+from dflash.preflight.env_check import env_check, supported_ranges
+from dflash.preflight.race import PROCESSES, THREADS, execution_is_safe
+from dflash.preflight.smoke_imports import import_lines, smoke_imports
+from dflash.preflight.verdict import Verdict, read_verdict, write_verdict
+from dflash.preflight.warmup import _device_env, batch_rows, use_warm_cache
+
+# The flag became thread-local after 2.13 (pytorch PR #168999); up to 2.13 the deterministic race must reproduce.
+RACY_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) <= (2, 13)
+
+
+def run_cli(argv: list[str]) -> int:
+    """The subcommands as ``dflash/cli.py`` registers them, without the rest of the command line."""
+    parser = argparse.ArgumentParser(prog="dflash")
+    cli.add_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except SystemExit as exit:
+        return int(exit.code)
+    return 0
+
+
+# -- verdicts ----------------------------------------------------------------------------------------
+
+
+def test_verdict_round_trip_and_refusal(tmp_path):
+    good = Verdict(stage="env_check")
+    good.summarize("all fine")
+    write_verdict(good, tmp_path / "env.json")
+    assert read_verdict(tmp_path / "env.json", "env_check")["ok"] is True
+    assert (tmp_path / "env.txt").read_text().startswith("env_check: ok")
+
+    bad = Verdict(stage="env_check")
+    bad.fail("the disk is full: free some space")
+    bad.summarize("one problem")
+    write_verdict(bad, tmp_path / "bad.json")
+    with pytest.raises(RuntimeError, match="the disk is full: free some space"):
+        read_verdict(tmp_path / "bad.json", "env_check")
+    with pytest.raises(ValueError, match="expected 'warmup_cache'"):
+        read_verdict(tmp_path / "env.json", "warmup_cache")
+    with pytest.raises(FileNotFoundError, match="run the preflight stage warmup_cache"):
+        read_verdict(tmp_path / "missing.json", "warmup_cache")
+
+
+# -- env_check ---------------------------------------------------------------------------------------
+
+
+def test_supported_ranges_are_the_projects():
+    ranges = supported_ranges()
+    assert ranges["torch"] == "<2.15,>=2.6"
+    assert ranges["transformers"] == "<6,>=5.24"
+    assert ranges["python"] == ">=3.10"
+    assert "pytest" not in ranges  # an optional extra
+
+
+def test_env_check_passes_on_a_cpu_topology(tmp_path):
+    verdict = env_check(TopologyConfig(device="cpu", nproc_per_node=1), PreflightConfig(min_free_disk_gb=0.001), tmp_path / "results")
+    assert verdict.ok, verdict.report()
+    assert {"torch", "transformers", "datasets", "snakemake", "python"} <= set(verdict.versions)
+    assert verdict.compiler["ok"] and verdict.directories["results"]["writable"]
+
+
+def test_env_check_names_the_config_keys_when_devices_are_missing(tmp_path):
+    asked = torch.cuda.device_count() + 8
+    code = run_cli(["env-check", "--topology", json.dumps({"device": "cuda", "nproc_per_node": asked}), "--results-dir", str(tmp_path), "--out", str(tmp_path / "env.json")])
+    verdict = json.loads((tmp_path / "env.json").read_text())
+    assert code == 1 and verdict["ok"] is False and verdict["torch_version"] == torch.__version__
+    message = next(p for p in verdict["problems"] if "CUDA device(s) per node asked for" in p)
+    assert "topology.nproc_per_node" in message and "topology.device" in message and "config/config.yaml" in message
+
+
+def test_env_check_rejects_more_cpu_processes_than_cores_and_too_little_disk(tmp_path):
+    topology = TopologyConfig(device="cpu", nproc_per_node=(os.cpu_count() or 1) + 1)
+    verdict = env_check(topology, PreflightConfig(min_free_disk_gb=1e9), tmp_path)
+    assert not verdict.ok
+    assert any("topology.nproc_per_node" in p and "core" in p for p in verdict.problems)
+    assert any("preflight.min_free_disk_gb" in p for p in verdict.problems)
+
+
+# -- smoke_imports -----------------------------------------------------------------------------------
+
+
+def test_import_lines_are_the_packages_own():
+    lines = import_lines()
+    assert any(where.startswith("dflash/train.py:") for where in lines["from dflash.model import DFlashConfig, DFlashDrafter"])
+    assert not any(line.startswith("from __future__") for line in lines)
+
+
+def test_smoke_imports_runs_each_backend(tmp_path):
+    code = run_cli(["smoke-imports", "--topology", "{}", "--out", str(tmp_path / "smoke.json")])
+    verdict = json.loads((tmp_path / "smoke.json").read_text())
+    assert code == 0 and verdict["ok"], verdict["problems"]
+    assert verdict["imports"] == len(import_lines()) and verdict["failed_imports"] == []
+    sdpa, flex = verdict["backends"]["sdpa"], verdict["backends"]["flex"]
+    assert sdpa["trained"] is True and flex["trained"] is False  # flex has no CPU backward in torch 2.13
+    assert flex["forward_loss"] == pytest.approx(sdpa["forward_loss"], rel=1e-4)
+
+
+def test_a_broken_import_names_the_symbol_and_the_module():
+    verdict = smoke_imports("cpu", list(import_lines()) + ["from dflash.model import NoSuchName"])
+    assert not verdict.ok and verdict.backends == {}
+    (failure,) = verdict.failed_imports
+    assert "'NoSuchName'" in failure["error"] and "'dflash.model'" in failure["error"]
+
+
+def test_a_misplaced_name_points_to_where_it_lives():
+    # The field report: a reproduction died because DFlashConfig was not where it was assumed.
+    verdict = smoke_imports("cpu", ["from dflash.drafter import DFlashConfig"])
+    (problem,) = verdict.problems
+    assert "'dflash.drafter' does not exist" in problem and "DFlashConfig is defined in dflash.model" in problem
+
+
+def test_smoke_imports_cli_fails_on_a_broken_import(tmp_path, monkeypatch, capsys):
+    from dflash.preflight import smoke_imports as module
+
+    broken = {**module.import_lines(), "from dflash.attention import flash_attend": ["dflash/model.py:24"]}
+    monkeypatch.setattr(module, "import_lines", lambda: broken)
+    code = run_cli(["smoke-imports", "--topology", "{}", "--out", str(tmp_path / "smoke.json")])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "'flash_attend'" in err and "'dflash.attention'" in err and "dflash/model.py:24" in err
+
+
+# -- repro_fx_race -------------------------------------------------------------------------------------
+
+
+def test_fx_race_safe_sets_the_mitigation_in_its_own_thread_only():
+    seen = {}
+
+    @fx_race_safe
+    def worker():
+        seen["worker"] = torch._dynamo.config.force_compile_during_fx_trace
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen["worker"] is True
+    assert torch._dynamo.config.force_compile_during_fx_trace is False
+
+
+def test_execution_is_safe():
+    verdict = {"torch_version": torch.__version__, "safe_for": [PROCESSES, THREADS], "mitigation": "m", "summary": "s"}
+    topology = TopologyConfig(device="cuda", nproc_per_node=8)
+    assert execution_is_safe({**verdict, "safe_for": [PROCESSES]}, topology)[0]  # torchrun: one thread per process
+    assert execution_is_safe(verdict, topology, threads_per_process=8)[0]
+    safe, why = execution_is_safe({**verdict, "safe_for": [PROCESSES]}, topology, threads_per_process=8)
+    assert not safe and "torchrun" in why
+    safe, why = execution_is_safe({**verdict, "torch_version": "2.0.0"}, topology, threads_per_process=8)
+    assert not safe and "rerun the repro_fx_race stage" in why
+
+
+@pytest.mark.slow
+def test_repro_fx_race_reproduces_and_the_mitigation_holds(tmp_path):
+    out = tmp_path / "repro_fx_race.json"
+    code = run_cli(["repro-fx-race", "--topology", "{}", "--preflight", json.dumps({"repro_fx_race": {"threads": 2, "trials": 3, "steps": 3}}), "--out", str(out)])
+    verdict = json.loads(out.read_text())
+    assert code == 0 and verdict["ok"], verdict["problems"]
+    assert verdict["torch_version"] == torch.__version__ and verdict["mitigation"]
+    if RACY_TORCH:
+        deterministic = verdict["deterministic"]
+        assert deterministic["reproduced"] and "symbolically trace a dynamo-optimized function" in deterministic["error"]
+        assert deterministic["flag_set_by"][0].startswith("torch/fx/_symbolic_trace.py:") and "Tracer.trace" in deterministic["flag_set_by"][0]
+        assert not deterministic["mitigated_raised"]
+        assert verdict["natural"]["trials"] == 3 and verdict["natural"]["errors"] >= 1
+    mitigated = verdict["mitigated"]
+    assert mitigated["trials"] == 3 and mitigated["errors"] == 0
+    assert mitigated["flag_stuck"] == 0 and mitigated["eager_calls"] == 0 and mitigated["other_errors"] == []
+    assert verdict["mitigation_verified"] and verdict["safe_for"] == [PROCESSES, THREADS]
+    assert not fx_tracing_flag()
+
+
+@pytest.mark.slow
+def test_silent_eager_fallback_is_counted():
+    """With ``error_on_nested_fx_trace=False`` the racing call runs eagerly instead of raising; the probe must see it."""
+    from collections import Counter
+
+    from dflash.preflight.race import RaceBlock, _call_during_trace, _inputs, race_compile_settings
+
+    eager = Counter()
+    block = RaceBlock(eager)
+    inputs = _inputs(29, torch.device("cpu"), seed=0)
+    with race_compile_settings(mitigate=False):
+        block(*inputs)
+        block(*inputs)
+    assert eager["eager"] == 0  # compiled calls leave no count
+
+    def quietly():
+        with torch._dynamo.config.patch(error_on_nested_fx_trace=False):
+            block(*inputs)
+
+    error, _, _ = _call_during_trace(quietly, mitigate=False)
+    assert error is None
+    assert eager["eager"] == (1 if RACY_TORCH else 0)
+
+
+# -- warmup_cache --------------------------------------------------------------------------------------
+
+
+def test_warmup_device_is_pinned(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    device, env = _device_env("cuda3")
+    assert device == "cuda:0" and env["CUDA_VISIBLE_DEVICES"] == "3"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert _device_env("cuda1")[1]["CUDA_VISIBLE_DEVICES"] == "5"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6")  # already pinned by the scheduler
+    assert _device_env("cuda1")[1]["CUDA_VISIBLE_DEVICES"] == "6"
+    with pytest.raises(ValueError, match="preflight.warmup.devices"):
+        _device_env("gpu0")
+
+
+def test_batch_rows_split_the_global_batch_over_drafter_ranks():
+    assert batch_rows(TrainConfig(batch_size=8), TopologyConfig()) == 8
+    assert batch_rows(TrainConfig(batch_size=8), TopologyConfig(nproc_per_node=3)) == 3
+    assert batch_rows(TrainConfig(batch_size=8), TopologyConfig(kind="split", nproc_per_node=4, target_ranks=2)) == 4
+
+
+@pytest.fixture
+def tiny_target_manifest(tmp_path):
+    """A tiny random Llama saved as a model directory with a word-level tokenizer, and its prepare_target manifest."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from dflash.preflight.synthetic import TINY_TARGET
+
+    directory = tmp_path / "tiny-target"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY_TARGET)).save_pretrained(directory)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(TINY_TARGET["vocab_size"])}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t127").save_pretrained(directory)
+    manifest = tmp_path / "target.json"
+    manifest.write_text(json.dumps({"source": str(directory), "dtype": "float32"}))
+    return manifest
+
+
+@pytest.mark.slow
+def test_warmup_second_start_runs_from_the_cache(tmp_path, tiny_target_manifest, monkeypatch):
+    out, cache = tmp_path / "warmup" / "cpu.json", tmp_path / "compile_cache" / "cpu"
+    code = run_cli(
+        [
+            "warmup-cache", "--device", "cpu", "--target-manifest", str(tiny_target_manifest),
+            "--drafter", json.dumps({"num_context_features": 2, "block_size": 4, "mask_token_id": 126}),
+            "--train", json.dumps({"batch_size": 2, "max_anchors": 3}),
+            "--topology", "{}", "--cache-dir", str(cache), "--out", str(out),
+        ]
+    )  # fmt: skip
+    verdict = json.loads(out.read_text())
+    assert code == 0 and verdict["ok"], verdict["problems"]
+    assert verdict["torch_version"] == torch.__version__ and verdict["cache_dir"] == str(cache.resolve())
+    assert verdict["cold"]["cache"]["fxgraph_cache_miss"] > 0
+    warm = verdict["warm"]["cache"]
+    assert warm["fxgraph_cache_hit"] > 0 and warm["autograd_cache_hit"] > 0
+    assert warm["fxgraph_cache_miss"] == 0 and warm["autograd_cache_miss"] == 0
+    assert 0 < verdict["warm_seconds"] < verdict["cold_seconds"] < verdict["cold_first_step_seconds"]
+    assert verdict["speedup"] == pytest.approx(verdict["cold_seconds"] / verdict["warm_seconds"], rel=0.05)
+    assert verdict["graphs"][0] == 1
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert use_warm_cache(out) == cache.resolve()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache.resolve())

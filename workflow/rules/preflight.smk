@@ -1,0 +1,80 @@
+# Preflight gates before training: the environment, every import the stages make, the torch.compile
+# FX-tracing race on this torch, and a warm compile cache per drafter device.
+
+
+rule env_check:
+    input:
+        package("preflight/__init__", "preflight/cli", "preflight/verdict", "preflight/env_check"),
+    output:
+        f"{RESULTS}/preflight/env.json",
+    params:
+        topology=section("topology"),
+        preflight=section("preflight"),
+        # The directory every stage writes under: checked for being writable and for free disk.
+        results_dir=lambda wc, output: Path(output[0]).parents[1],
+    conda:
+        ENV
+    log:
+        f"{LOGS}/env_check.log",
+    shell:
+        "python -m dflash env-check --topology {params.topology:q} --preflight {params.preflight:q} "
+        "--results-dir {params.results_dir} --out {output} > {log} 2>&1"
+
+
+rule smoke_imports:
+    input:
+        package("preflight/__init__", "preflight/cli", "preflight/verdict", "preflight/smoke_imports"),
+        rules.env_check.output,
+    output:
+        f"{RESULTS}/preflight/smoke_imports.json",
+    params:
+        topology=section("topology"),
+    conda:
+        ENV
+    log:
+        f"{LOGS}/smoke_imports.log",
+    shell:
+        "python -m dflash smoke-imports --topology {params.topology:q} --out {output} > {log} 2>&1"
+
+
+rule repro_fx_race:
+    input:
+        package("preflight/__init__", "preflight/cli", "preflight/verdict", "preflight/race", "fx_race", "model", "attention"),
+        rules.smoke_imports.output,
+    output:
+        f"{RESULTS}/preflight/repro_fx_race.json",
+    params:
+        topology=section("topology"),
+        preflight=section("preflight"),
+    conda:
+        ENV
+    log:
+        f"{LOGS}/repro_fx_race.log",
+    shell:
+        "python -m dflash repro-fx-race --topology {params.topology:q} --preflight {params.preflight:q} --out {output} > {log} 2>&1"
+
+
+rule warmup_cache:
+    input:
+        package("preflight/__init__", "preflight/cli", "preflight/verdict", "preflight/warmup", "preflight/synthetic", "train", "model", "attention", "objective", "target"),
+        rules.smoke_imports.output,
+        manifest=rules.prepare_target.output[0],
+    output:
+        f"{RESULTS}/preflight/warmup/{{device}}.json",
+    wildcard_constraints:
+        device="cpu|cuda[0-9]+",
+    params:
+        drafter=section("drafter"),
+        train=section("train"),
+        topology=section("topology"),
+        # The cache outlives the job's declared output on purpose: training reads it.
+        cache_dir=lambda wc: f"{RESULTS}/cache/compile/{wc.device}",
+    resources:
+        gpu=lambda wc: 0 if wc.device == "cpu" else 1,
+    conda:
+        ENV
+    log:
+        f"{LOGS}/warmup_cache_{{device}}.log",
+    shell:
+        "python -m dflash warmup-cache --device {wildcards.device} --drafter {params.drafter:q} --train {params.train:q} "
+        "--topology {params.topology:q} --target-manifest {input.manifest} --cache-dir {params.cache_dir} --out {output} > {log} 2>&1"
