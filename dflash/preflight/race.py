@@ -20,6 +20,7 @@ training is safe (``safe_for``); ``execution_is_safe`` is what ``train`` asks.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -51,6 +52,12 @@ PROCESSES = "one_process_per_device"  # torchrun: no two threads share the flag
 THREADS = "threads"  # several threads of one process call compiled code
 
 TIMEOUT_S = 300.0  # a hung trial is a failure, not a stuck workflow
+# Python's default 5 ms GIL switch interval lets a thread run its whole step
+# while another sits in a short backward trace: 2 threads on CPU raised in 0/4
+# trials (0/3 on CI). Threads driving GPUs release the GIL at every kernel
+# launch and interleave finely; a 10 us interval gives that interleaving on
+# CPU (100 us: 2/4 trials raised, 10 us: 4/4, 1 us: 4/4).
+SWITCH_INTERVAL_S = 1e-5
 
 
 @dataclass
@@ -67,6 +74,7 @@ class Trials:
     trials: int = 0
     threads: int = 0
     steps: int = 0  # each thread's minimum; it keeps training while another thread still compiles
+    switch_interval_s: float = SWITCH_INTERVAL_S  # the GIL switch interval the trials ran under
     errors: int = 0  # trials in which a thread raised the race error
     thread_errors: int = 0  # threads that raised it, over all trials
     flag_stuck: int = 0  # trials after which the flag stayed set
@@ -237,6 +245,16 @@ def cold_compile_caches(directory: Path) -> Iterator[None]:
 
 
 @contextmanager
+def fine_thread_interleaving() -> Iterator[None]:
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
+
+
+@contextmanager
 def race_compile_settings(mitigate: bool) -> Iterator[None]:
     """Compile settings of one thread (Dynamo's and inductor's configs are per thread, so each thread enters this itself).
 
@@ -309,7 +327,7 @@ def run_trials(device: torch.device, race: RaceConfig, mitigate: bool, cache_roo
     eager: Counter = Counter()
     for k in range(race.trials):
         trial = _Trial(threads=race.threads, start=threading.Barrier(race.threads))
-        with cold_compile_caches(cache_root / f"{'mitigated' if mitigate else 'natural'}-{k}"):
+        with cold_compile_caches(cache_root / f"{'mitigated' if mitigate else 'natural'}-{k}"), fine_thread_interleaving():
             workers = [
                 threading.Thread(target=_train_thread, args=(i, trial, race.steps, mitigate, device, eager), name=f"race-worker-{i}")
                 for i in range(race.threads)
