@@ -55,6 +55,9 @@ class DrafterConfig:
     block_size: int = 16
     mask_token_id: int | None = None  # default: a special token the chat template never emits
     intermediate_size: int | None = None  # default: the target's
+    num_attention_heads: int | None = None  # default: the target's
+    num_key_value_heads: int | None = None  # default: the target's
+    head_dim: int | None = None  # default: the target's
 
 
 @dataclass
@@ -84,6 +87,7 @@ class TopologyConfig:
     nnodes: int = 1
     nproc_per_node: int = 1
     target_ranks: int = 0  # split: ranks computing target hidden states; the rest train the drafter
+    data_parallel: Literal["ddp", "fsdp"] = "ddp"  # fsdp shards the drafter's training state when a replica does not fit
 
 
 @dataclass

@@ -96,18 +96,21 @@ class DFlashConfig:
         block_size: int = 16,
         layer_ids: list[int] | None = None,
         intermediate_size: int | None = None,
+        num_attention_heads: int | None = None,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
     ) -> "DFlashConfig":
-        """A drafter shaped like the target's own layers (a transformers config)."""
+        """A drafter shaped like the target's own layers (a transformers config), unless told otherwise."""
         num_target_layers = target_config.num_hidden_layers
-        heads = target_config.num_attention_heads
+        target_heads = target_config.num_attention_heads
         rope = getattr(target_config, "rope_parameters", None) or {}
         return cls(
             hidden_size=target_config.hidden_size,
             intermediate_size=intermediate_size or target_config.intermediate_size,
             num_hidden_layers=num_hidden_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+            num_attention_heads=num_attention_heads or target_heads,
+            num_key_value_heads=num_key_value_heads or getattr(target_config, "num_key_value_heads", None) or target_heads,
+            head_dim=head_dim or getattr(target_config, "head_dim", None) or target_config.hidden_size // target_heads,
             vocab_size=target_config.vocab_size,
             num_target_layers=num_target_layers,
             target_layer_ids=list(layer_ids or target_layer_ids(num_target_layers, num_context_features)),

@@ -1,0 +1,147 @@
+"""Training throughput per topology: drafter training tokens/s and target hidden-state tokens/s.
+
+    python benchmarks/train_throughput.py                  # table on stdout, JSON in benchmarks/results/
+    python benchmarks/train_throughput.py --steps 20 --out my.json
+
+On the CPU (gloo) it runs the real training loop (``dflash.train.train_drafter``)
+under torchrun on a random Llama target with hidden states computed online:
+one process; 2 processes colocated; 8 processes split 5 + 3. With CUDA it
+measures one GPU colocated instead, compiled flex_attention against SDPA with
+a dense mask, with peak GPU memory.
+
+Training tokens/s counts sample tokens (no padding) of the global batches per
+second, after the first step (which compiles and warms up, reported apart).
+Target tokens/s is the throughput of the target's forward passes, summed over
+the ranks that run them (their capacity; they may wait on training).
+Each measurement runs in fresh processes, so that compile caches and memory
+statistics of one never leak into the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Random targets of a size each device turns over in seconds per step.
+PRESETS = {
+    "cpu": {
+        "target": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+        "lengths": (96, 320),  # sample lengths, spread evenly between the two
+        "train": {"batch_size": 8, "max_anchors": 16, "compile": False, "precision": "fp32"},
+    },
+    "cuda": {
+        "target": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+        "lengths": (512, 2048),
+        "train": {"batch_size": 8, "max_anchors": 256, "compile": True, "precision": "bf16"},
+    },
+}
+CPU_TOPOLOGIES = [
+    ("1 process", {"kind": "colocated", "nproc_per_node": 1}),
+    ("2 colocated", {"kind": "colocated", "nproc_per_node": 2}),
+    ("8 split 5+3", {"kind": "split", "nproc_per_node": 8, "target_ranks": 5}),
+]
+
+
+def worker(spec: dict) -> None:
+    """One rank (started by torchrun, or alone): train ``spec['steps']`` steps; rank 0 writes the measurement."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash import distributed
+    from dflash.config import DrafterConfig, TopologyConfig, TrainConfig, parse_section
+    from dflash.preflight.synthetic import synthetic_samples
+    from dflash.target import Target
+    from dflash.train import train_drafter
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    preset = PRESETS[spec["device"]]
+    topology = parse_section(TopologyConfig, spec["topology"] | {"device": spec["device"]}, "topology")
+    layout = distributed.init(topology)
+    dtype = torch.bfloat16 if spec["device"] == "cuda" else torch.float32
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**preset["target"], max_position_embeddings=4096)).to(layout.device, dtype)
+    target = Target.from_model(model, source=f"random-llama-{preset['target']['hidden_size']}")
+    low, high = preset["lengths"]
+    count = preset["train"]["batch_size"] * spec["steps"]
+    samples = synthetic_samples([low + (high - low) * i // max(1, count - 1) for i in range(count)], preset["target"]["vocab_size"] - 1)
+    train = parse_section(TrainConfig, preset["train"] | {"epochs": 1, "hidden_states": "online", "attention_backend": spec["backend"], "log_every": spec["steps"]}, "train")
+    drafter = parse_section(DrafterConfig, {"num_hidden_layers": 1, "num_context_features": 3, "mask_token_id": preset["target"]["vocab_size"] - 1}, "drafter")
+    if layout.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(layout.device)
+    scratch = Path(spec["scratch"])
+    result = train_drafter(target, samples, drafter, train, 0, scratch / "hidden", scratch / "checkpoints", scratch / "drafter", scratch / "metrics.csv", layout=layout)
+    peak = torch.cuda.max_memory_allocated(layout.device) / 2**30 if layout.device.type == "cuda" else None
+    peaks = distributed.gather_to_main(peak, layout) if layout.is_drafter else None
+    if layout.is_main:
+        measured = {
+            "processes": layout.world,
+            "drafter_ranks": layout.drafter_world,
+            "steps": result.steps,
+            "train_tokens_per_s": round(result.tokens_per_second, 1),
+            "target_tokens_per_s": round(result.target_tokens_per_second, 1),
+            "first_step_s": round(result.first_step_seconds, 2),
+            "peak_gpu_memory_gib": max(peaks) if peak is not None else None,
+        }
+        Path(spec["result"]).write_text(json.dumps(measured))
+    distributed.shutdown(layout)
+
+
+def measure(label: str, topology: dict, device: str, backend: str, steps: int) -> dict:
+    """One measurement in fresh processes."""
+    nproc = topology.get("nproc_per_node", 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = {"topology": topology, "device": device, "backend": backend, "steps": steps, "scratch": tmp, "result": str(Path(tmp) / "result.json")}
+        launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        start = time.perf_counter()
+        done = subprocess.run([*launcher, __file__, "--worker", json.dumps(spec)], env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{label} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        return {"topology": label, "device": device, "attention": backend} | json.loads(Path(spec["result"]).read_text()) | {"wall_s": round(time.perf_counter() - start, 1)}
+
+
+def table(rows: list[dict]) -> str:
+    columns = ["topology", "device", "attention", "processes", "train_tokens_per_s", "target_tokens_per_s", "first_step_s", "peak_gpu_memory_gib", "wall_s"]
+    cells = [columns] + [["-" if row[c] is None else str(row[c]) for c in columns] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in cells)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per measurement (the first is not timed)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON output (default: benchmarks/results/train_throughput_<device>.json)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker))
+        return
+    if torch.cuda.is_available():
+        device = "cuda"
+        plan = [("1 GPU colocated", {"kind": "colocated"}, "flex"), ("1 GPU colocated", {"kind": "colocated"}, "sdpa")]
+    else:
+        device = "cpu"
+        plan = [(label, topology, "sdpa") for label, topology in CPU_TOPOLOGIES]
+    rows = []
+    for label, topology, backend in plan:
+        rows.append(measure(label, topology, device, backend, args.steps))
+        print(f"measured {label} ({backend}): {rows[-1]['train_tokens_per_s']} training tokens/s", file=sys.stderr)
+    environment = {"torch": torch.__version__, "cpus": os.cpu_count(), "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None}
+    out = args.out or ROOT / "benchmarks" / "results" / f"train_throughput_{device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"environment": environment, "preset": PRESETS[device], "rows": rows}, indent=2) + "\n")
+    print(table(rows))
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""Parallelism for training: one process per device, started by torchrun, on torch.distributed.
+
+Two topologies (``topology.kind``):
+
+* ``colocated``: every rank holds the target and the drafter. Each rank computes
+  the target's hidden states of its own share of the global batch; the drafter
+  trains data-parallel (DDP, or FSDP) over all ranks.
+* ``split``: ``topology.target_ranks`` ranks compute hidden states and send them,
+  point to point, to the other ranks, which train the drafter data-parallel
+  (they hold the target too, for its frozen embedding and LM head).
+
+With hidden states cached on disk (any topology), every rank computes a shard
+of the cache before training; split target ranks then have nothing left to do.
+
+Ranks ``0..D-1`` train the drafter, the rest (split only) compute hidden
+states: global rank 0, which logs and writes checkpoints, always trains. Within
+a global batch, position ``j`` is trained by drafter rank ``j % D`` (the strided
+``rank_slice``) and, in the split topology, computed by target rank ``j % T``.
+
+NCCL on GPU, gloo on CPU. With one process nothing here starts a process group.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from dflash.config import TopologyConfig
+
+# Ranks wait in collectives while another rank builds its share of the hidden-state
+# cache or rank 0 writes a checkpoint: minutes are normal, an hour is a hang.
+COLLECTIVE_TIMEOUT = timedelta(hours=1)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this process sits in the topology: its rank, its device and its role."""
+
+    device: torch.device
+    kind: Literal["colocated", "split"] = "colocated"
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    drafter_world: int = 1  # D: ranks 0..D-1 train the drafter
+    data_parallel: Literal["ddp", "fsdp"] = "ddp"
+    group: Any = field(default=None, compare=False)  # the drafter ranks' process group; None with one process
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_drafter(self) -> bool:
+        return self.rank < self.drafter_world
+
+    @property
+    def target_ranks(self) -> list[int]:
+        """Split: the ranks after the drafter ranks, which compute hidden states and send them (none when colocated)."""
+        return list(range(self.drafter_world, self.world))
+
+
+def single_process(device: torch.device | str = "cpu") -> Layout:
+    return Layout(device=torch.device(device))
+
+
+def init(topology: TopologyConfig) -> Layout:
+    """Join the process group torchrun set up (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) and create the drafter ranks' group."""
+    world = topology.nnodes * topology.nproc_per_node
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != world:
+        raise RuntimeError(
+            f"the topology has {world} processes (nnodes {topology.nnodes} x nproc_per_node {topology.nproc_per_node}) but {launched} were "
+            f"launched: start training with `torchrun --nnodes {topology.nnodes} --nproc-per-node {topology.nproc_per_node} -m dflash train ...` "
+            "(the train rule's launcher resource does), or fix topology in the config"
+        )
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if topology.device == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"local rank {local_rank} needs CUDA device {local_rank} but {torch.cuda.device_count()} are visible: "
+                f"set topology.nproc_per_node to at most {torch.cuda.device_count()}, or check CUDA_VISIBLE_DEVICES"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    drafter_world = world - topology.target_ranks if topology.kind == "split" else world
+    group = None
+    if world > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT, device_id=device if device.type == "cuda" else None)
+        drafters = dist.new_group(list(range(drafter_world)), timeout=COLLECTIVE_TIMEOUT)  # every rank takes part in creating it
+        group = drafters if rank < drafter_world else None
+    return Layout(device, topology.kind, rank, world, local_rank, drafter_world, topology.data_parallel, group)
+
+
+def shutdown(layout: Layout) -> None:
+    """Leave the process group; a rank leaves once it has done its last collective or send, others may still train."""
+    if layout.world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# -- collectives (no-ops with one process) ---------------------------------------------------------
+
+
+def all_reduce_sum(tensor: torch.Tensor, layout: Layout, everyone: bool = False) -> torch.Tensor:
+    """Sum over the drafter ranks (or over every rank), in place."""
+    if layout.world > 1:
+        dist.all_reduce(tensor, group=None if everyone else layout.group)
+    return tensor
+
+
+def broadcast_from_main(value, layout: Layout):
+    """Rank 0's value, on every rank (a picklable object)."""
+    if layout.world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_to_main(value, layout: Layout) -> list | None:
+    """Every drafter rank's value, as a list on rank 0 (``None`` elsewhere)."""
+    if layout.drafter_world == 1:
+        return [value]
+    gathered = [None] * layout.drafter_world if layout.is_main else None
+    dist.gather_object(value, gathered, dst=0, group=layout.group)
+    return gathered
+
+
+def barrier(layout: Layout) -> None:
+    if layout.world > 1:
+        dist.barrier()
+
+
+# -- data parallelism for the drafter --------------------------------------------------------------
+
+
+def shard(drafter: torch.nn.Module, layout: Layout) -> None:
+    """FSDP: shard the drafter's parameters, gradients and optimizer state over the drafter ranks, in place.
+
+    Call before creating the optimizer (it must see the sharded parameters).
+    """
+    if layout.drafter_world > 1 and layout.data_parallel == "fsdp":
+        fully_shard(drafter, mesh=DeviceMesh.from_group(layout.group, layout.device.type))
+
+
+def replicate(forward: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    """DDP: gradients all-reduced (averaged) over the drafter ranks after each backward.
+
+    ``forward`` may be the compiled drafter: DDP then runs the very graphs the
+    compile-cache warmup compiled (compiling DDP itself would split them at
+    gradient-bucket boundaries into graphs the warmup never saw).
+    """
+    if layout.drafter_world == 1 or layout.data_parallel != "ddp":
+        return forward
+    device_ids = [layout.device] if layout.device.type == "cuda" else None
+    return DistributedDataParallel(forward, device_ids=device_ids, process_group=layout.group)
+
+
+# -- hidden states from target ranks to drafter ranks (split) --------------------------------------
+
+
+def routes(count: int, senders: int, receivers: int) -> dict[tuple[int, int], list[int]]:
+    """Positions in a global batch of ``count`` samples that sender ``t`` computes for receiver ``d``, in order.
+
+    Sender ``t`` computes positions ``j % senders == t``; receiver ``d`` trains on
+    ``j % receivers == d``. Every position travels exactly once.
+    """
+    found: dict[tuple[int, int], list[int]] = {}
+    for j in range(count):
+        found.setdefault((j % senders, j % receivers), []).append(j)
+    return found
+
+
+def send_rows(rows: list[torch.Tensor], dst: int) -> tuple[dist.Work, torch.Tensor]:
+    """Send rows of one width as one message; returns the request and the packed tensor, which must live until it completes."""
+    packed = torch.cat(rows).contiguous()
+    return dist.isend(packed, dst), packed
+
+
+@dataclass
+class Incoming:
+    """Rows being received as one message. Their lengths are known to both sides (from the
+    samples), so shapes that vary per batch need no message of their own."""
+
+    request: dist.Work
+    buffer: torch.Tensor
+    lengths: list[int]
+
+    @classmethod
+    def post(cls, lengths: list[int], width: int, dtype: torch.dtype, device: torch.device, src: int) -> "Incoming":
+        buffer = torch.empty(sum(lengths), width, dtype=dtype, device=device)
+        return cls(dist.irecv(buffer, src), buffer, lengths)
+
+    def wait(self) -> list[torch.Tensor]:
+        self.request.wait()
+        return list(self.buffer.split(self.lengths))
