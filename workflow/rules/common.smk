@@ -1,19 +1,30 @@
 # Helpers shared by all stages: the validated config, per-stage config sections, the package files each stage runs.
+import ast
+import functools
 import sys
 from pathlib import Path
 
+from snakemake.exceptions import WorkflowError
 from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
 sys.path.insert(0, workflow.basedir)
-from dflash.config import ConfigError, canonical_json, load_config
+from dflash.config import ConfigError, canonical_json, load_config, to_dict
 
 
-validate(config, Path(workflow.basedir) / "workflow" / "schemas" / "config.schema.yaml")
+# The typed config first: its messages name the dotted key ("train.lrr: unknown key; allowed keys here
+# are [...]"); the schema then checks what the dataclasses do not (e.g. eval set name patterns).
 try:
     CFG = load_config(config)
 except ConfigError as err:
-    raise ValueError(f"config error: {err}") from None
+    raise WorkflowError(f"invalid config: {err}") from None
+validate(config, Path(workflow.basedir) / "workflow" / "schemas" / "config.schema.yaml")
+
+# `snakemake repro_fx_race`, typed without --cores, runs locally on one core like the documented `--cores 1`
+# entry points (Snakemake itself refuses a local run without --cores). Set here rather than in a default
+# workflow profile, which would override the `cores:` of any --profile. Cluster runs (--jobs) are left alone.
+if workflow.resource_settings.cores is None and workflow.resource_settings.nodes is None:
+    workflow.resource_settings.cores = 1
 
 RESULTS = "results"
 LOGS = f"{RESULTS}/logs"
@@ -25,15 +36,127 @@ if DeploymentMethod.CONDA not in workflow.deployment_settings.deployment_method:
     shell.prefix(f'export PATH="{Path(sys.executable).parent}:$PATH"; ')
 
 
-def section(*keys):
+def section(*keys, only=None, without=()):
     """Canonical JSON of one config section, defaults filled in and keys sorted: reordering
-    YAML keys, or spelling out a default, never reruns a job."""
+    YAML keys, or spelling out a default, never reruns a job. ``only`` / ``without`` narrow the
+    section to the keys a job reads, so that changing another key does not rerun it."""
     value = CFG
     for key in keys:
         value = getattr(value, key)
-    return canonical_json(value)
+    value = to_dict(value)
+    names = set(only if only is not None else value) - set(without)
+    unknown = names - set(value) or set(without) - set(value)
+    if unknown:
+        raise WorkflowError(f"section{keys}: no key(s) {sorted(unknown)} in this section")
+    return canonical_json({name: value[name] for name in names})
+
+
+# The package files a job runs are its inputs: code inside an installed package is otherwise invisible to
+# Snakemake. Found from the import statements, so that a new import is never forgotten: the entry points
+# (`python -m dflash` and the subcommand table) with their module-level imports; the stage modules a rule
+# names with every import they make, at any depth (stages import lazily inside the functions the job runs);
+# and, transitively, the module-level imports of every module imported. A function of a library module that
+# imports lazily is run by a job only if the rule names that module (tests/test_workflow.py checks the
+# modules each job imported against its inputs).
+PACKAGE_ROOT = Path(workflow.basedir)
+ENTRY_POINTS = ("__main__", "cli", "preflight/cli")
+
+
+def _module_file(name):
+    """The file that importing the dotted ``name`` runs, if it is part of the dflash package."""
+    if name.split(".")[0] != "dflash":
+        return None
+    path = PACKAGE_ROOT.joinpath(*name.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _imports(path, module_level_only=False):
+    """The package files the import statements of ``path`` run (with their packages' ``__init__.py``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    nodes, stack = [], list(tree.body)
+    while stack:
+        node = stack.pop()
+        if module_level_only and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        nodes.append(node)
+        stack.extend(ast.iter_child_nodes(node))
+    names = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package_parts = path.relative_to(PACKAGE_ROOT).with_suffix("").parts[: -node.level]
+                base = ".".join(package_parts + ((node.module,) if node.module else ()))
+            # `from dflash import config` imports the submodule dflash.config.
+            names += [base] + [f"{base}.{alias.name}" for alias in node.names]
+    files = set()
+    for name in names:
+        parts = name.split(".")
+        files |= {f for i in range(1, len(parts) + 1) if (f := _module_file(".".join(parts[:i]))) is not None}
+    return frozenset(files)
 
 
 def package(*modules):
-    """The package files a job runs: code inside an installed package is otherwise invisible to Snakemake."""
-    return [f"{workflow.basedir}/dflash/{m}.py" for m in ("__init__", "cli", "config") + modules]
+    """The package files a job running the stage modules ``modules`` (e.g. "train", "preflight/race") executes."""
+    root = PACKAGE_ROOT / "dflash"
+    entry_points = {root / f"{m}.py" for m in ENTRY_POINTS}
+    todo = [(path, path in entry_points) for path in entry_points | {root / f"{m}.py" for m in modules}]
+    seen = set()
+    while todo:
+        path, module_level_only = todo.pop()
+        if not path.is_file():
+            raise WorkflowError(f"package(): {path} does not exist")
+        if (path, module_level_only) not in seen:
+            seen.add((path, module_level_only))
+            todo += [(f, True) for f in _imports(path, module_level_only)]
+    return sorted({str(path) for path, _ in seen} | {str(root / "__init__.py")})
+
+
+def local_inputs(source, embedded=None):
+    """The local files a config source names (a prompt file, the files of a model directory), as job inputs:
+    editing them reruns the job. ``embedded`` is the file the ``embedded`` source reads; hub ids give nothing."""
+    if source == "embedded":
+        return [embedded] if embedded else []
+    path = Path(source).expanduser()
+    if path.is_file():
+        return [str(path)]
+    if path.is_dir():
+        return sorted(str(p) for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+    return []
+
+
+# gpu_dev0..N: one resource per local GPU. The local GPU profile (workflow/profiles/local-8gpu) allows each once,
+# so that two jobs never share a device; without a profile they do not limit anything.
+LOCAL_GPUS = max(8, CFG.topology.nproc_per_node)
+
+
+def device_resources(devices):
+    """The gpu_dev<i> resources of a job using the local GPUs ``devices`` (indices, or a function of the wildcards giving them)."""
+    if callable(devices):
+        return {f"gpu_dev{i}": (lambda wc, i=i: int(i in devices(wc))) for i in range(LOCAL_GPUS)}
+    return {f"gpu_dev{i}": int(i in devices) for i in range(LOCAL_GPUS)}
+
+
+def train_launcher(topology):
+    """The command that starts training's processes, one per device, for ``python -m dflash train``.
+
+    A resource, not a param: changing how processes start never retrains. Override it per
+    site with a profile (``set-resources: train: launcher: ...``).
+    """
+    if topology.nnodes * topology.nproc_per_node == 1:
+        return "python"
+    torchrun = f"python -m torch.distributed.run --nnodes {topology.nnodes} --nproc-per-node {topology.nproc_per_node}"
+    if topology.nnodes == 1:
+        return f"{torchrun} --standalone"
+    # Several nodes (SLURM): one torchrun per node, meeting at a rendezvous on the first host of the job.
+    return (
+        "srun --ntasks-per-node=1 --cpus-per-task=${SLURM_CPUS_PER_TASK:-1} --kill-on-bad-exit=1 "
+        f"{torchrun} --rdzv-backend=c10d --rdzv-id=$SLURM_JOB_ID "
+        "--rdzv-endpoint=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1):$((29500 + SLURM_JOB_ID % 1000))"
+    )

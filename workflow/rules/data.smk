@@ -8,6 +8,8 @@ rule prepare_target:
         target=section("target"),
     input:
         package("target"),
+        # A local model directory: its weights, config and tokenizer.
+        local_inputs(CFG.target.source),
     conda:
         ENV
     log:
@@ -19,6 +21,7 @@ rule prepare_target:
 rule prepare_data:
     input:
         package("target", "data"),
+        local_inputs(CFG.data.prompts.source, embedded=f"{workflow.basedir}/dflash/assets/chat_prompts.jsonl"),
         manifest=rules.prepare_target.output[0],
     output:
         samples=f"{RESULTS}/data/train.parquet",

@@ -9,7 +9,7 @@ rule env_check:
         f"{RESULTS}/preflight/env.json",
     params:
         topology=section("topology"),
-        preflight=section("preflight"),
+        preflight=section("preflight", only=["min_free_disk_gb"]),
         # The directory every stage writes under: checked for being writable and for free disk.
         results_dir=lambda wc, output: Path(output[0]).parents[1],
     conda:
@@ -45,7 +45,11 @@ rule repro_fx_race:
         f"{RESULTS}/preflight/repro_fx_race.json",
     params:
         topology=section("topology"),
-        preflight=section("preflight"),
+        preflight=section("preflight", only=["repro_fx_race"]),
+    resources:
+        # The race runs on the first device.
+        gpu=int(CFG.topology.device == "cuda"),
+        **device_resources([0] if CFG.topology.device == "cuda" else []),
     conda:
         ENV
     log:
@@ -56,7 +60,9 @@ rule repro_fx_race:
 
 rule warmup_cache:
     input:
-        package("preflight/__init__", "preflight/cli", "preflight/verdict", "preflight/warmup", "preflight/synthetic", "train", "model", "attention", "objective", "target"),
+        # The warmup process runs the training step (train.py's module-level code and the step's functions), not
+        # the train stage's function: naming "train" would add the modules only that function imports.
+        package("preflight/__init__", "preflight/cli", "preflight/verdict", "preflight/warmup", "preflight/synthetic", "model", "attention", "objective", "target"),
         rules.smoke_imports.output,
         manifest=rules.prepare_target.output[0],
     output:
@@ -65,12 +71,14 @@ rule warmup_cache:
         device="cpu|cuda[0-9]+",
     params:
         drafter=section("drafter"),
-        train=section("train"),
+        # Not the keys that only the training loop reads: the compiled step does not change with them.
+        train=section("train", without=["epochs", "warmup_ratio", "lr", "weight_decay", "checkpoint_every", "log_every"]),
         topology=section("topology"),
         # The cache outlives the job's declared output on purpose: training reads it.
         cache_dir=lambda wc: f"{RESULTS}/cache/compile/{wc.device}",
     resources:
         gpu=lambda wc: 0 if wc.device == "cpu" else 1,
+        **device_resources(lambda wc: [] if wc.device == "cpu" else [int(wc.device.removeprefix("cuda"))]),
     conda:
         ENV
     log:

@@ -1,4 +1,4 @@
-# Training the drafter, gated by every preflight verdict.
+# Training the drafter, gated by every preflight verdict: one process per device, started by torchrun.
 
 
 rule train:
@@ -10,7 +10,8 @@ rule train:
             rules.env_check.output[0],
             rules.smoke_imports.output[0],
             rules.repro_fx_race.output[0],
-            *expand(rules.warmup_cache.output[0], device=CFG.preflight.warmup.devices),
+            # A warm compile cache only matters to a compiled drafter.
+            *(expand(rules.warmup_cache.output[0], device=CFG.preflight.warmup.devices) if CFG.train.compile else []),
         ],
     output:
         drafter=directory(f"{RESULTS}/train/drafter"),
@@ -20,18 +21,26 @@ rule train:
         drafter=section("drafter"),
         train=section("train"),
         topology=section("topology"),
-        tracking=section("tracking"),
         seed=CFG.seed,
         out_dir=lambda wc, output: Path(output.summary).parent,
         # Resumable checkpoints and the hidden-state cache live outside the declared
         # outputs, which Snakemake deletes before rerunning a job.
         checkpoint_dir=f"{RESULTS}/cache/train",
+    resources:
+        # All GPUs of the job (SLURM: --gpus, with --nodes); locally, one gpu_dev<i> per device it runs on.
+        gpu=CFG.topology.nnodes * CFG.topology.nproc_per_node if CFG.topology.device == "cuda" else 0,
+        nodes=CFG.topology.nnodes,
+        tasks=CFG.topology.nnodes,
+        **device_resources(range(CFG.topology.nproc_per_node) if CFG.topology.device == "cuda" else []),
+        launcher=train_launcher(CFG.topology),
+        # Where the run is logged, not what it computes: a resource, so changing it never retrains.
+        tracking=section("tracking"),
     conda:
         ENV
     log:
         f"{LOGS}/train.log",
     shell:
-        "python -m dflash train --drafter {params.drafter:q} --train {params.train:q} "
-        "--topology {params.topology:q} --tracking {params.tracking:q} --seed {params.seed} "
+        "{resources.launcher} -m dflash train --drafter {params.drafter:q} --train {params.train:q} "
+        "--topology {params.topology:q} --tracking {resources.tracking:q} --seed {params.seed} "
         "--target-manifest {input.manifest} --samples {input.samples} --preflight {input.preflight} "
         "--out-dir {params.out_dir} --checkpoint-dir {params.checkpoint_dir} > {log} 2>&1"
