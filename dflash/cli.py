@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
 from dflash import config as C
+from dflash.distributed import cpu_threads
 from dflash.preflight.cli import add_subcommands
 
 
@@ -87,18 +87,6 @@ def report(args) -> None:
     from dflash.report import build_report
 
     build_report(args.metrics, args.train_summary, args.card, args.eval_summary, args.out_dir)
-
-
-def cpu_threads() -> int:
-    """Intra-op threads of one process: ``DFLASH_CPU_THREADS`` if set, else the cores this process may
-    run on, shared among the processes of this machine (torchrun's ``LOCAL_WORLD_SIZE``).
-
-    Not ``OMP_NUM_THREADS``: Snakemake exports it as the rule's threads, which ``--cores 1`` (one job at
-    a time) caps at 1, and that left one of two cores idle through data regeneration and training.
-    """
-    if "DFLASH_CPU_THREADS" in os.environ:
-        return max(1, int(os.environ["DFLASH_CPU_THREADS"]))
-    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from dflash.config import DrafterConfig, TopologyConfig, TrainConfig, parse_section
+from dflash.distributed import cpu_threads
 from dflash.preflight.verdict import Verdict, read_verdict
 
 log = logging.getLogger(__name__)
@@ -187,9 +188,11 @@ def _step_main(spec: dict, report_path: Path) -> None:
     report_path.write_text(json.dumps(report))
 
 
-def _device_env(device: str) -> tuple[str, dict[str, str]]:
+def _device_env(device: str, topology: TopologyConfig) -> tuple[str, dict[str, str]]:
     """The torch device a ``cpu``/``cudaN`` job uses, and the environment that pins it."""
     env = dict(os.environ)
+    # The threads a training process of this topology runs with: inductor's CPU kernels are compiled for a thread count.
+    env["OMP_NUM_THREADS"] = str(cpu_threads(topology.nproc_per_node))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
     if device == "cpu":
         return "cpu", env
@@ -232,7 +235,7 @@ def warmup_cache(
     start = time.perf_counter()
     cache_dir = Path(cache_dir).resolve()
     verdict = WarmupVerdict(device=device, cache_dir=str(cache_dir))
-    torch_device, env = _device_env(device)
+    torch_device, env = _device_env(device, topology)
     # A leftover cache would make the cold start warm and the measurement meaningless.
     shutil.rmtree(cache_dir, ignore_errors=True)
     cache_dir.mkdir(parents=True)
