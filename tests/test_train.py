@@ -1,4 +1,5 @@
 import math
+import os
 
 import pandas as pd
 import pytest
@@ -57,3 +58,19 @@ def test_learning_rate_warms_up_then_decays_to_zero():
     assert lr_factor(4, total, warmup) == pytest.approx(1.0)
     assert lr_factor(52, total, warmup) == pytest.approx(0.5, abs=1e-6)
     assert lr_factor(100, total, warmup) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_cpu_threads_share_the_cores_among_local_processes(monkeypatch):
+    """Snakemake's OMP_NUM_THREADS (1 under --cores 1) is ignored; DFLASH_CPU_THREADS overrides; never below 1."""
+    from dflash.distributed import cpu_threads
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("DFLASH_CPU_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert cpu_threads() == cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cores))
+    assert cpu_threads() == 1
+    assert cpu_threads(local_processes=1) == cores
+    monkeypatch.setenv("DFLASH_CPU_THREADS", "3")
+    assert cpu_threads() == 3
