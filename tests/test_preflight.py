@@ -217,15 +217,26 @@ def test_silent_eager_fallback_is_counted():
 
 
 def test_warmup_device_is_pinned(monkeypatch):
+    one_gpu = TopologyConfig(device="cuda")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    device, env = _device_env("cuda3")
+    device, env = _device_env("cuda3", one_gpu)
     assert device == "cuda:0" and env["CUDA_VISIBLE_DEVICES"] == "3"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    assert _device_env("cuda1")[1]["CUDA_VISIBLE_DEVICES"] == "5"
+    assert _device_env("cuda1", one_gpu)[1]["CUDA_VISIBLE_DEVICES"] == "5"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6")  # already pinned by the scheduler
-    assert _device_env("cuda1")[1]["CUDA_VISIBLE_DEVICES"] == "6"
+    assert _device_env("cuda1", one_gpu)[1]["CUDA_VISIBLE_DEVICES"] == "6"
     with pytest.raises(ValueError, match="preflight.warmup.devices"):
-        _device_env("gpu0")
+        _device_env("gpu0", one_gpu)
+
+
+def test_warmup_compiles_with_the_threads_of_a_training_process(monkeypatch):
+    """Inductor's CPU kernels are built for a thread count: the warmup's must be training's, not Snakemake's OMP_NUM_THREADS."""
+    monkeypatch.delenv("DFLASH_CPU_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    cores = len(os.sched_getaffinity(0))
+    assert _device_env("cpu", TopologyConfig())[1]["OMP_NUM_THREADS"] == str(cores)
+    eight_gpus = TopologyConfig(device="cuda", nproc_per_node=8)
+    assert _device_env("cuda0", eight_gpus)[1]["OMP_NUM_THREADS"] == str(max(1, cores // 8))
 
 
 def test_batch_rows_split_the_global_batch_over_drafter_ranks():
