@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from dflash import config as C
-from dflash.distributed import cpu_threads
+from dflash.config import cpu_threads
 from dflash.preflight.cli import add_subcommands
 
 

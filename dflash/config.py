@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -88,6 +89,23 @@ class TopologyConfig:
     nproc_per_node: int = 1
     target_ranks: int = 0  # split: ranks computing target hidden states; the rest train the drafter
     data_parallel: Literal["ddp", "fsdp"] = "ddp"  # fsdp shards the drafter's training state when a replica does not fit
+
+
+def cpu_threads(local_processes: int | None = None) -> int:
+    """Intra-op threads of one process: ``DFLASH_CPU_THREADS`` if set, else the cores the process may
+    run on, shared among this machine's processes (torchrun's ``LOCAL_WORLD_SIZE`` unless given).
+
+    Not ``OMP_NUM_THREADS``: Snakemake exports it as the rule's threads, which ``--cores 1`` (one job
+    at a time) caps at 1, and that left one of two cores idle through data regeneration and training.
+    """
+    if "DFLASH_CPU_THREADS" in os.environ:
+        value = os.environ["DFLASH_CPU_THREADS"]
+        if not value.strip().isdigit():
+            raise ValueError(f"DFLASH_CPU_THREADS={value!r} is not a whole number of threads: set it to e.g. 2, or unset it to use every core")
+        return max(1, int(value))
+    if local_processes is None:
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, len(os.sched_getaffinity(0)) // local_processes)
 
 
 @dataclass

@@ -35,20 +35,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dflash.config import TopologyConfig
 
-def cpu_threads(local_processes: int | None = None) -> int:
-    """Intra-op threads of one process: ``DFLASH_CPU_THREADS`` if set, else the cores the process may
-    run on, shared among this machine's processes (torchrun's ``LOCAL_WORLD_SIZE`` unless given).
-
-    Not ``OMP_NUM_THREADS``: Snakemake exports it as the rule's threads, which ``--cores 1`` (one job
-    at a time) caps at 1, and that left one of two cores idle through data regeneration and training.
-    """
-    if "DFLASH_CPU_THREADS" in os.environ:
-        return max(1, int(os.environ["DFLASH_CPU_THREADS"]))
-    if local_processes is None:
-        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, len(os.sched_getaffinity(0)) // local_processes)
-
-
 # Ranks wait in collectives while another rank builds its share of the hidden-state
 # cache or rank 0 writes a checkpoint: minutes are normal, an hour is a hang.
 COLLECTIVE_TIMEOUT = timedelta(hours=1)

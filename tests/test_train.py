@@ -62,7 +62,7 @@ def test_learning_rate_warms_up_then_decays_to_zero():
 
 def test_cpu_threads_share_the_cores_among_local_processes(monkeypatch):
     """Snakemake's OMP_NUM_THREADS (1 under --cores 1) is ignored; DFLASH_CPU_THREADS overrides; never below 1."""
-    from dflash.distributed import cpu_threads
+    from dflash.config import cpu_threads
 
     cores = len(os.sched_getaffinity(0))
     monkeypatch.delenv("DFLASH_CPU_THREADS", raising=False)
@@ -74,3 +74,6 @@ def test_cpu_threads_share_the_cores_among_local_processes(monkeypatch):
     assert cpu_threads(local_processes=1) == cores
     monkeypatch.setenv("DFLASH_CPU_THREADS", "3")
     assert cpu_threads() == 3
+    monkeypatch.setenv("DFLASH_CPU_THREADS", "two")
+    with pytest.raises(ValueError, match="DFLASH_CPU_THREADS='two'"):
+        cpu_threads()

@@ -32,8 +32,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.config import DrafterConfig, TopologyConfig, TrainConfig, parse_section
-from dflash.distributed import cpu_threads
+from dflash.config import DrafterConfig, TopologyConfig, TrainConfig, cpu_threads, parse_section
 from dflash.preflight.verdict import Verdict, read_verdict
 
 log = logging.getLogger(__name__)
