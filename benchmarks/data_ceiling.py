@@ -32,20 +32,22 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def first_position_examples(samples, cache, target, heldout: int):
-    """Per anchor t (t and t+1 in the loss mask, t ≥ 1): x[t], features at t-1, x[t+1]; split by sample."""
+def first_position_examples(samples, cache):
+    """Per anchor t (training's anchor rule; t ≥ 1 so that features at t-1 exist): x[t], features at t-1,
+    x[t+1], and the sample it comes from."""
+    from dflash.objective import sample_anchors
+
     current, previous_features, following, sample_of = [], [], [], []
     for i, (ids, mask) in enumerate(zip(samples["input_ids"], samples["loss_mask"])):
         ids, mask = torch.tensor(np.asarray(ids)), torch.tensor(np.asarray(mask)).bool()
-        anchors = torch.nonzero(mask[1:-1] & mask[2:]).squeeze(1) + 1
-        features = cache[i]
+        anchors, valid = sample_anchors(mask[None], max_anchors=len(mask))  # every candidate
+        anchors = anchors[valid]
+        anchors = anchors[anchors >= 1]
         current.append(ids[anchors])
-        previous_features.append(features[anchors - 1].half())
+        previous_features.append(cache[i][anchors - 1].half())
         following.append(ids[anchors + 1])
         sample_of.append(torch.full((len(anchors),), i))
-    current, previous_features, following, sample_of = map(torch.cat, (current, previous_features, following, sample_of))
-    is_heldout = sample_of >= len(samples) - heldout
-    return current, previous_features, following, sample_of, is_heldout
+    return tuple(map(torch.cat, (current, previous_features, following, sample_of)))
 
 
 def bigram_accuracy(current, following, train, test) -> float:
@@ -113,13 +115,15 @@ def main() -> None:
     for path in (samples_path, cache_dir / "meta.json", manifest):
         if not path.is_file():
             raise SystemExit(f"{path} is missing: run `snakemake --cores 1 train` first (or pass --results)")
+    if not all(0 < fraction <= 1 for fraction in args.fractions):
+        raise SystemExit(f"--fractions must lie in (0, 1], got {args.fractions}: a share above 1 would train on held-out samples")
     samples = read_samples(samples_path)
     if not 0 < args.heldout < len(samples):
         raise SystemExit(f"--heldout must be between 1 and {len(samples) - 1} (the run has {len(samples)} samples)")
     target = load_from_manifest(manifest)
-    cache = HiddenStateCache(cache_dir)
-    current, features, following, sample_of, is_heldout = first_position_examples(samples, cache, target, args.heldout)
+    current, features, following, sample_of = first_position_examples(samples, HiddenStateCache(cache_dir))
     trainable = len(samples) - args.heldout
+    is_heldout = sample_of >= trainable
 
     rows = []
     for fraction in args.fractions:
