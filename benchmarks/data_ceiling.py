@@ -105,8 +105,8 @@ def main() -> None:
 
     from dflash.config import cpu_threads
     from dflash.data import read_samples
+    from dflash.features import HiddenStateCache
     from dflash.target import load_from_manifest
-    from dflash.train import HiddenStateCache
 
     torch.set_num_threads(cpu_threads())
     samples_path = args.results / "data" / "train.parquet"

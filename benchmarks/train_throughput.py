@@ -40,7 +40,9 @@ PRESETS = {
         "train": {"batch_size": 8, "max_anchors": 16, "compile": False, "precision": "fp32"},
     },
     "cuda": {
-        "target": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+        "target": dict(
+            vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8, head_dim=128
+        ),
         "lengths": (512, 2048),
         "train": {"batch_size": 8, "max_anchors": 256, "compile": True, "precision": "bf16"},
     },
@@ -73,12 +75,16 @@ def worker(spec: dict) -> None:
     low, high = preset["lengths"]
     count = preset["train"]["batch_size"] * spec["steps"]
     samples = synthetic_samples([low + (high - low) * i // max(1, count - 1) for i in range(count)], preset["target"]["vocab_size"] - 1)
-    train = parse_section(TrainConfig, preset["train"] | {"epochs": 1, "hidden_states": "online", "attention_backend": spec["backend"], "log_every": spec["steps"]}, "train")
+    train = parse_section(
+        TrainConfig, preset["train"] | {"epochs": 1, "hidden_states": "online", "attention_backend": spec["backend"], "log_every": spec["steps"]}, "train"
+    )
     drafter = parse_section(DrafterConfig, {"num_hidden_layers": 1, "num_context_features": 3, "mask_token_id": preset["target"]["vocab_size"] - 1}, "drafter")
     if layout.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(layout.device)
     scratch = Path(spec["scratch"])
-    result = train_drafter(target, samples, drafter, train, 0, scratch / "hidden", scratch / "checkpoints", scratch / "drafter", scratch / "metrics.csv", layout=layout)
+    result = train_drafter(
+        target, samples, drafter, train, 0, scratch / "hidden", scratch / "checkpoints", scratch / "drafter", scratch / "metrics.csv", layout=layout
+    )
     peak = torch.cuda.max_memory_allocated(layout.device) / 2**30 if layout.device.type == "cuda" else None
     peaks = distributed.gather_to_main(peak, layout) if layout.is_drafter else None
     if layout.is_main:
@@ -106,7 +112,11 @@ def measure(label: str, topology: dict, device: str, backend: str, steps: int) -
         done = subprocess.run([*launcher, __file__, "--worker", json.dumps(spec)], env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{label} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-        return {"topology": label, "device": device, "attention": backend} | json.loads(Path(spec["result"]).read_text()) | {"wall_s": round(time.perf_counter() - start, 1)}
+        return (
+            {"topology": label, "device": device, "attention": backend}
+            | json.loads(Path(spec["result"]).read_text())
+            | {"wall_s": round(time.perf_counter() - start, 1)}
+        )
 
 
 def table(rows: list[dict]) -> str:

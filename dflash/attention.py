@@ -12,8 +12,9 @@ queries are the blocks only. Query ``q`` belongs to block ``q // B``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F

@@ -1,6 +1,12 @@
 """The command line the workflow's rules call: one subcommand per stage, each given only its config sections (JSON).
 
     python -m dflash prepare-target --target '{"source": "embedded"}' --out results/target/target.json
+    python -m dflash env-check --topology '{"device": "cpu"}' --preflight '{}' --out results/preflight/env.json
+
+A deliberate error (``dflash.errors.DFlashError``: bad config, missing input, a
+failed preflight verdict) is reported in one line and exits 1; anything else
+is a bug and keeps its traceback. The preflight subcommands write their verdict
+to ``--out`` (and its summary beside it, ``.txt``) whether or not it is ok.
 """
 
 from __future__ import annotations
@@ -12,50 +18,54 @@ import sys
 from pathlib import Path
 
 from dflash import config as C
-from dflash.config import cpu_threads
-from dflash.preflight.cli import add_subcommands
+from dflash.errors import DFlashError, PreflightError
 
 
-def _section(kind):
-    def parse(text: str):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise argparse.ArgumentTypeError(f"not valid JSON: {err}") from err
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
-def _add(sub, name: str, help: str, sections: dict[str, type], paths: list[str]):
+def _add(sub, name: str, help: str, run, sections: dict[str, type], paths: list[str]) -> argparse.ArgumentParser:
+    """A subcommand taking ``--<section>`` JSON objects and required ``--<path>`` arguments."""
     parser = sub.add_parser(name, help=help)
-    for key, kind in sections.items():
-        parser.add_argument(f"--{key}", type=_section(kind), default={}, help=f"the {key} config section, as JSON")
+    for key in sections:
+        parser.add_argument(f"--{key}", type=_json_object, default={}, help=f"the {key} config section, as JSON")
     for path in paths:
         parser.add_argument(f"--{path.replace('_', '-')}", dest=path, type=Path, required=True)
-    parser.set_defaults(sections=sections)
+    parser.set_defaults(run=run, sections=sections)
     return parser
 
 
-def _parsed(args) -> dict:
-    """Each ``--<section>`` JSON turned into its dataclass; an error names the dotted key."""
-    return {key: C.parse_section(kind, getattr(args, key), key) for key, kind in args.sections.items()}
+def _finish(verdict, out: Path) -> None:
+    """Write a preflight verdict and print its summary; a verdict that is not ok is an error with its problems."""
+    from dflash.preflight.verdict import write_verdict
+
+    write_verdict(verdict, out)
+    print(verdict.summary)
+    if not verdict.ok:
+        raise PreflightError(verdict.report())
 
 
-def prepare_target(args) -> None:
+# -- the stages ----------------------------------------------------------------------------------
+
+
+def prepare_target(args, s) -> None:
     from dflash.target import write_manifest
 
-    s = _parsed(args)
     manifest = write_manifest(s["target"].source, s["target"].dtype, args.out)
     print(f"prepare_target: {manifest['architecture']} with {manifest['num_layers']} layers from {manifest['source']!r} at {manifest['path']}")
 
 
-def prepare_data(args) -> None:
+def prepare_data(args, s) -> None:
     from dflash.data import prepare_data as run
     from dflash.target import load_from_manifest
 
-    s = _parsed(args)
     target = load_from_manifest(args.target_manifest)
     card = run(s["data"], args.seed, target, args.out_dir)
     print(
@@ -64,61 +74,95 @@ def prepare_data(args) -> None:
     )
 
 
-def train(args) -> None:
+def train(args, s) -> None:
     from dflash.train import run_train_stage
 
-    s = _parsed(args)
     run_train_stage(s, args)
 
 
-def evaluate(args) -> None:
+def evaluate(args, s) -> None:
     from dflash.evaluate import run_evaluation
     from dflash.model import DFlashDrafter
     from dflash.target import load_from_manifest
 
-    s = _parsed(args)
     target = load_from_manifest(args.target_manifest)
     drafter = DFlashDrafter.from_pretrained(args.drafter, device=target.device, dtype=target.dtype).eval()
     summary = run_evaluation(s["eval"], target, drafter, args.heldout, args.out_dir)
     print(summary.to_string(index=False))
 
 
-def report(args) -> None:
+def report(args, s) -> None:
     from dflash.report import build_report
 
     build_report(args.metrics, args.train_summary, args.card, args.eval_summary, args.out_dir)
 
 
+def env_check(args, s) -> None:
+    from dflash.preflight.env_check import env_check as run
+
+    _finish(run(s["topology"], s["preflight"], args.results_dir), args.out)
+
+
+def smoke_imports(args, s) -> None:
+    from dflash.preflight.gate import first_device
+    from dflash.preflight.smoke_imports import smoke_imports as run
+
+    _finish(run(str(first_device(s["topology"]))), args.out)
+
+
+def repro_fx_race(args, s) -> None:
+    import torch
+
+    from dflash.preflight.race import repro_fx_race as run
+
+    # Tiny tensors: intra-op threads would only contend with the worker threads for the cores.
+    torch.set_num_threads(1)
+    _finish(run(s["topology"], s["preflight"].repro_fx_race), args.out)
+
+
+def warmup_cache(args, s) -> None:
+    from dflash.preflight.warmup import warmup_cache as run
+
+    _finish(run(args.device, args.target_manifest, s["drafter"], s["train"], s["topology"], args.cache_dir), args.out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add(sub, "prepare-target", "materialise the target model", prepare_target, {"target": C.TargetConfig}, ["out"])
+    p = _add(sub, "prepare-data", "prompts → target responses → training samples", prepare_data, {"data": C.DataConfig}, ["target_manifest", "out_dir"])
+    p.add_argument("--seed", type=int, default=0)
+    sections = {"drafter": C.DrafterConfig, "train": C.TrainConfig, "topology": C.TopologyConfig, "tracking": C.TrackingConfig}
+    p = _add(sub, "train", "train the drafter", train, sections, ["target_manifest", "samples", "out_dir", "checkpoint_dir"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preflight", type=Path, nargs="*", default=[], help="verdict files train requires")
+    paths = ["target_manifest", "drafter", "heldout", "out_dir"]
+    _add(sub, "evaluate", "speculative decoding on the evaluation sets", evaluate, {"eval": C.EvalConfig}, paths)
+    _add(sub, "report", "plots and an HTML summary", report, {}, ["metrics", "train_summary", "card", "eval_summary", "out_dir"])
+
+    preflight = {"topology": C.TopologyConfig, "preflight": C.PreflightConfig}
+    p = _add(sub, "env-check", "versions, devices, compiler, directories and disk against the config", env_check, preflight, ["out"])
+    p.add_argument("--results-dir", type=Path, default=Path("results"), help="where the workflow writes results and checkpoints")
+    _add(sub, "smoke-imports", "every import the stages make; a tiny drafter on each attention backend", smoke_imports, {"topology": C.TopologyConfig}, ["out"])
+    _add(sub, "repro-fx-race", "reproduce the torch.compile FX-tracing race and verify its mitigation", repro_fx_race, preflight, ["out"])
+    sections = {"drafter": C.DrafterConfig, "train": C.TrainConfig, "topology": C.TopologyConfig}
+    p = _add(
+        sub, "warmup-cache", "compile the drafter's training step into a persistent cache", warmup_cache, sections, ["target_manifest", "cache_dir", "out"]
+    )
+    p.add_argument("--device", required=True, help="the drafter device: cpu, or cudaN")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    torch.set_num_threads(cpu_threads())
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="dflash", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add(sub, "prepare-target", "materialise the target model", {"target": C.TargetConfig}, ["out"]).set_defaults(run=prepare_target)
-    p = _add(sub, "prepare-data", "prompts → target responses → training samples", {"data": C.DataConfig}, ["target_manifest", "out_dir"])
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(run=prepare_data)
-    p = _add(
-        sub,
-        "train",
-        "train the drafter",
-        {"drafter": C.DrafterConfig, "train": C.TrainConfig, "topology": C.TopologyConfig, "tracking": C.TrackingConfig},
-        ["target_manifest", "samples", "out_dir", "checkpoint_dir"],
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--preflight", type=Path, nargs="*", default=[], help="verdict files train requires")
-    p.set_defaults(run=train)
-    _add(
-        sub, "evaluate", "speculative decoding on the evaluation sets", {"eval": C.EvalConfig}, ["target_manifest", "drafter", "heldout", "out_dir"]
-    ).set_defaults(run=evaluate)
-    _add(sub, "report", "plots and an HTML summary", {}, ["metrics", "train_summary", "card", "eval_summary", "out_dir"]).set_defaults(run=report)
-    add_subcommands(sub)
-    args = parser.parse_args(argv)
     try:
-        args.run(args)
-    except (C.ConfigError, FileNotFoundError, ValueError) as err:
+        torch.set_num_threads(C.cpu_threads())
+        sections = {key: C.parse_section(kind, getattr(args, key), key) for key, kind in args.sections.items()}
+        args.run(args, sections)
+    except DFlashError as err:
         print(f"dflash {args.command}: error: {err}", file=sys.stderr)
         return 1
     return 0

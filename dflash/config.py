@@ -17,6 +17,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dflash.errors import ConfigError
+
+# A block holds the last verified token and at least one token to draft.
+MIN_BLOCK_SIZE = 2
+
 
 @dataclass
 class TargetConfig:
@@ -96,12 +101,12 @@ def cpu_threads(local_processes: int | None = None) -> int:
     run on, shared among this machine's processes (torchrun's ``LOCAL_WORLD_SIZE`` unless given).
 
     Not ``OMP_NUM_THREADS``: Snakemake exports it as the rule's threads, which ``--cores 1`` (one job
-    at a time) caps at 1, and that left one of two cores idle through data regeneration and training.
+    at a time) caps at 1, while the one job running may use every core.
     """
     if "DFLASH_CPU_THREADS" in os.environ:
         value = os.environ["DFLASH_CPU_THREADS"]
         if not value.strip().isdigit():
-            raise ValueError(f"DFLASH_CPU_THREADS={value!r} is not a whole number of threads: set it to e.g. 2, or unset it to use every core")
+            raise ConfigError(f"DFLASH_CPU_THREADS={value!r} is not a whole number of threads: set it to e.g. 2, or unset it to use every core")
         return max(1, int(value))
     if local_processes is None:
         local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -126,9 +131,7 @@ class EvalSet:
 class EvalConfig:
     block_size: int | None = None  # default: the drafter's
     max_new_tokens: int = 128
-    sets: list[EvalSet] = field(
-        default_factory=lambda: [EvalSet(name="chat", source="heldout"), EvalSet(name="humaneval", source="humaneval")]
-    )
+    sets: list[EvalSet] = field(default_factory=lambda: [EvalSet(name="chat", source="heldout"), EvalSet(name="humaneval", source="humaneval")])
 
 
 @dataclass
@@ -161,10 +164,6 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
-
-
-class ConfigError(ValueError):
-    """A config value that is wrong; the message names the dotted key."""
 
 
 def _check_scalar(value: Any, kind: Any, key: str) -> Any:
@@ -233,30 +232,30 @@ def load_config(raw: dict) -> Config:
 
 
 def _check_ranges(c: Config) -> None:
-    positive = {
-        "data.max_length": c.data.max_length,
-        "data.generation.max_new_tokens": c.data.generation.max_new_tokens,
-        "data.generation.batch_size": c.data.generation.batch_size,
-        "drafter.num_hidden_layers": c.drafter.num_hidden_layers,
-        "drafter.num_context_features": c.drafter.num_context_features,
-        "train.epochs": c.train.epochs,
-        "train.batch_size": c.train.batch_size,
-        "train.max_anchors": c.train.max_anchors,
-        "train.head_chunk": c.train.head_chunk,
-        "train.checkpoint_every": c.train.checkpoint_every,
-        "train.log_every": c.train.log_every,
-        "topology.nnodes": c.topology.nnodes,
-        "topology.nproc_per_node": c.topology.nproc_per_node,
-        "eval.max_new_tokens": c.eval.max_new_tokens,
-        "preflight.repro_fx_race.threads": c.preflight.repro_fx_race.threads,
-        "preflight.repro_fx_race.trials": c.preflight.repro_fx_race.trials,
-        "preflight.repro_fx_race.steps": c.preflight.repro_fx_race.steps,
+    minimums = {
+        "data.max_length": (c.data.max_length, 1),
+        "data.generation.max_new_tokens": (c.data.generation.max_new_tokens, 1),
+        "data.generation.batch_size": (c.data.generation.batch_size, 1),
+        "drafter.num_hidden_layers": (c.drafter.num_hidden_layers, 1),
+        "drafter.num_context_features": (c.drafter.num_context_features, 1),
+        "drafter.block_size": (c.drafter.block_size, MIN_BLOCK_SIZE),
+        "train.epochs": (c.train.epochs, 1),
+        "train.batch_size": (c.train.batch_size, 1),
+        "train.max_anchors": (c.train.max_anchors, 1),
+        "train.head_chunk": (c.train.head_chunk, 1),
+        "train.checkpoint_every": (c.train.checkpoint_every, 1),
+        "train.log_every": (c.train.log_every, 1),
+        "topology.nnodes": (c.topology.nnodes, 1),
+        "topology.nproc_per_node": (c.topology.nproc_per_node, 1),
+        "eval.block_size": (c.eval.block_size, MIN_BLOCK_SIZE),
+        "eval.max_new_tokens": (c.eval.max_new_tokens, 1),
+        "preflight.repro_fx_race.threads": (c.preflight.repro_fx_race.threads, 1),
+        "preflight.repro_fx_race.trials": (c.preflight.repro_fx_race.trials, 1),
+        "preflight.repro_fx_race.steps": (c.preflight.repro_fx_race.steps, 1),
     }
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key}: must be at least 1, got {value}")
-    if c.drafter.block_size < 2:
-        raise ConfigError(f"drafter.block_size: must be at least 2, got {c.drafter.block_size}")
+    for key, (value, minimum) in minimums.items():
+        if value is not None and value < minimum:
+            raise ConfigError(f"{key}: must be at least {minimum}, got {value}")
     if not 0.0 < c.data.heldout_fraction < 1.0:
         raise ConfigError(f"data.heldout_fraction: must be in (0, 1), got {c.data.heldout_fraction}")
     if c.train.lr <= 0:
@@ -276,8 +275,6 @@ def _check_ranges(c: Config) -> None:
     names = [s.name for s in c.eval.sets]
     if len(set(names)) != len(names):
         raise ConfigError(f"eval.sets: set names must be unique, got {names}")
-    if c.eval.block_size is not None and c.eval.block_size < 2:
-        raise ConfigError(f"eval.block_size: must be at least 2, got {c.eval.block_size}")
 
 
 def to_dict(section: Any) -> Any:

@@ -21,6 +21,8 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from dflash.config import DataConfig, GenerationConfig
+from dflash.errors import InputError, MissingInputError
 from dflash.target import Target
 
 log = logging.getLogger(__name__)
@@ -38,11 +40,11 @@ class Conversation:
         return [{"role": role, "content": content} for role, content in self.messages]
 
     @classmethod
-    def from_messages(cls, messages: list[dict]) -> "Conversation":
+    def from_messages(cls, messages: list[dict]) -> Conversation:
         turns = [(str(m["role"]), str(m["content"])) for m in messages]
         last_user = max((i for i, (role, _) in enumerate(turns) if role == "user"), default=None)
         if last_user is None:
-            raise ValueError("a conversation without a user turn")
+            raise InputError("a conversation without a user turn")
         # The target answers the last user turn itself; any assistant reply after it is discarded.
         turns = tuple(turns[: last_user + 1])
         digest = hashlib.sha256(json.dumps(turns).encode()).hexdigest()[:16]
@@ -59,10 +61,10 @@ def _records(source: str, split: str) -> list[dict]:
     if path.exists():
         kinds = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
         if path.suffix not in kinds:
-            raise ValueError(f"data.prompts.source {source!r}: unsupported file type {path.suffix!r}; use one of {sorted(kinds)}")
+            raise InputError(f"data.prompts.source {source!r}: unsupported file type {path.suffix!r}; use one of {sorted(kinds)}")
         return list(datasets.load_dataset(kinds[path.suffix], data_files=str(path), split="train"))
     if source.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"data.prompts.source {source!r}: no such file")
+        raise MissingInputError(f"data.prompts.source {source!r}: no such file")
     return list(datasets.load_dataset(source, split=split))
 
 
@@ -76,16 +78,14 @@ def load_conversations(source: str, split: str = "train", limit: int | None = No
         elif "prompt" in record and record["prompt"]:
             conversation = Conversation.from_messages([{"role": "user", "content": record["prompt"]}])
         else:
-            raise ValueError(
-                f"data.prompts.source {source!r}: record {i} has neither a 'messages' nor a 'prompt' column (columns: {sorted(record)})"
-            )
+            raise InputError(f"data.prompts.source {source!r}: record {i} has neither a 'messages' nor a 'prompt' column (columns: {sorted(record)})")
         if conversation.prompt_id not in seen:
             seen.add(conversation.prompt_id)
             conversations.append(conversation)
         if limit is not None and len(conversations) >= limit:
             break
     if not conversations:
-        raise ValueError(f"data.prompts.source {source!r} holds no prompts")
+        raise InputError(f"data.prompts.source {source!r} holds no prompts")
     return conversations
 
 
@@ -102,17 +102,10 @@ def split_conversations(conversations: list[Conversation], heldout_fraction: flo
     return train, heldout
 
 
-@dataclass
-class GenerationSettings:
-    max_new_tokens: int = 256
-    batch_size: int = 32
-    temperature: float = 0.0  # 0 is greedy
-    top_p: float = 1.0
-    seed: int = 0
-
-
 @torch.no_grad()
-def regenerate_responses(target: Target, prompts: list[list[int]], settings: GenerationSettings, desc: str = "regenerating responses") -> list[list[int]]:
+def regenerate_responses(
+    target: Target, prompts: list[list[int]], settings: GenerationConfig, seed: int = 0, desc: str = "regenerating responses"
+) -> list[list[int]]:
     """The target's responses to tokenized prompts, batched with left padding; each ends at its first stop token (kept)."""
     pad_id = getattr(target.tokenizer, "pad_token_id", None)
     if pad_id is None:
@@ -132,7 +125,7 @@ def regenerate_responses(target: Target, prompts: list[list[int]], settings: Gen
                 attention[row, width - len(prompts[i]) :] = 1
             sampling = {"do_sample": False}
             if settings.temperature > 0:
-                torch.manual_seed(settings.seed + begin)
+                torch.manual_seed(seed + begin)
                 sampling = {"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p}
             out = target.model.generate(
                 input_ids=input_ids.to(target.device),
@@ -208,20 +201,20 @@ def read_samples(path: str | Path) -> pd.DataFrame:
     """Samples written by ``prepare_data``; an error names the file and what is wrong with it."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: run the prepare_data stage first")
+        raise MissingInputError(f"{path} does not exist: run the prepare_data stage first")
     frame = pd.read_parquet(path)
     missing = [c for c in SAMPLE_COLUMNS if c not in frame.columns]
     if missing:
-        raise ValueError(f"{path} lacks column(s) {missing}: not a samples file written by prepare_data")
+        raise InputError(f"{path} lacks column(s) {missing}: not a samples file written by prepare_data")
     if frame.empty:
-        raise ValueError(f"{path} holds no samples")
+        raise InputError(f"{path} holds no samples")
     return frame
 
 
-def prepare_data(cfg, seed: int, target: Target, out_dir: Path) -> DataCard:
+def prepare_data(cfg: DataConfig, seed: int, target: Target, out_dir: Path) -> DataCard:
     """The ``prepare_data`` stage: prompts → split → regenerated responses → ``train.parquet``, ``heldout.jsonl``, ``card.json``.
 
-    ``cfg`` is a ``dflash.config.DataConfig``. Held-out prompts are stored as
+    Held-out prompts are stored as
     conversations (evaluation decodes them itself); only training prompts get
     responses.
     """
@@ -232,20 +225,13 @@ def prepare_data(cfg, seed: int, target: Target, out_dir: Path) -> DataCard:
     if cfg.heldout_limit is not None:
         heldout = heldout[: cfg.heldout_limit]
     if not train:
-        raise ValueError(f"data.prompts.source {cfg.prompts.source!r}: no training prompts left after the held-out split")
+        raise InputError(f"data.prompts.source {cfg.prompts.source!r}: no training prompts left after the held-out split")
     card = DataCard(source=cfg.prompts.source, prompts=len(conversations), train_prompts=len(train), heldout_prompts=len(heldout))
     prompt_ids = [target.chat_prompt_ids(c.as_messages()) for c in train]
-    settings = GenerationSettings(
-        max_new_tokens=cfg.generation.max_new_tokens,
-        batch_size=cfg.generation.batch_size,
-        temperature=cfg.generation.temperature,
-        top_p=cfg.generation.top_p,
-        seed=seed,
-    )
-    responses = regenerate_responses(target, prompt_ids, settings)
+    responses = regenerate_responses(target, prompt_ids, cfg.generation, seed)
     samples = build_samples(train, prompt_ids, responses, cfg.max_length, target.eos_token_ids, card)
     if samples.empty:
-        raise ValueError(f"every training sample was dropped ({card.dropped}); raise data.max_length or check the prompts")
+        raise InputError(f"every training sample was dropped ({card.dropped}); raise data.max_length or check the prompts")
     out_dir.mkdir(parents=True, exist_ok=True)
     samples.to_parquet(out_dir / "train.parquet", index=False)
     with open(out_dir / "heldout.jsonl", "w") as f:
@@ -258,5 +244,5 @@ def prepare_data(cfg, seed: int, target: Target, out_dir: Path) -> DataCard:
 def read_heldout(path: str | Path) -> list[Conversation]:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: run the prepare_data stage first")
+        raise MissingInputError(f"{path} does not exist: run the prepare_data stage first")
     return [Conversation.from_messages(json.loads(line)["messages"]) for line in path.read_text().splitlines() if line.strip()]

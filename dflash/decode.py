@@ -37,10 +37,7 @@ class DecodeStats:
     def per_position_acceptance(self) -> list[float]:
         """For draft position k = 1..B-1: the fraction of verify steps that accepted it."""
         steps = len(self.acceptance_lengths)
-        return [
-            sum(length - 1 >= k for length in self.acceptance_lengths) / steps if steps else 0.0
-            for k in range(1, self.block_size)
-        ]
+        return [sum(length - 1 >= k for length in self.acceptance_lengths) / steps if steps else 0.0 for k in range(1, self.block_size)]
 
     @property
     def time_per_output_token(self) -> float:

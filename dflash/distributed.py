@@ -34,6 +34,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from dflash.config import TopologyConfig
+from dflash.errors import PreflightError
 
 # Ranks wait in collectives while another rank builds its share of the hidden-state
 # cache or rank 0 writes a checkpoint: minutes are normal, an hour is a hang.
@@ -76,7 +77,7 @@ def init(topology: TopologyConfig) -> Layout:
     world = topology.nnodes * topology.nproc_per_node
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != world:
-        raise RuntimeError(
+        raise PreflightError(
             f"the topology has {world} processes (nnodes {topology.nnodes} x nproc_per_node {topology.nproc_per_node}) but {launched} were "
             f"launched: start training with `torchrun --nnodes {topology.nnodes} --nproc-per-node {topology.nproc_per_node} -m dflash train ...` "
             "(the train rule's launcher resource does), or fix topology in the config"
@@ -84,7 +85,7 @@ def init(topology: TopologyConfig) -> Layout:
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if topology.device == "cuda":
         if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(
+            raise PreflightError(
                 f"local rank {local_rank} needs CUDA device {local_rank} but {torch.cuda.device_count()} are visible: "
                 f"set topology.nproc_per_node to at most {torch.cuda.device_count()}, or check CUDA_VISIBLE_DEVICES"
             )
@@ -197,7 +198,7 @@ class Incoming:
     lengths: list[int]
 
     @classmethod
-    def post(cls, lengths: list[int], width: int, dtype: torch.dtype, device: torch.device, src: int) -> "Incoming":
+    def post(cls, lengths: list[int], width: int, dtype: torch.dtype, device: torch.device, src: int) -> Incoming:
         buffer = torch.empty(sum(lengths), width, dtype=dtype, device=device)
         return cls(dist.irecv(buffer, src), buffer, lengths)
 

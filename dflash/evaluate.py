@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from dflash.data import Conversation, load_conversations, read_heldout
 from dflash.decode import speculative_generate
+from dflash.errors import InputError
 from dflash.model import DFlashDrafter
 from dflash.target import Target
 
@@ -112,7 +113,7 @@ def run_evaluation(cfg, target: Target, drafter: DFlashDrafter, heldout_path: Pa
     for eval_set in cfg.sets:
         conversations = eval_conversations(eval_set.source, eval_set.split, eval_set.limit, heldout_path)
         if not conversations:
-            raise ValueError(f"eval.sets {eval_set.name!r}: source {eval_set.source!r} gave no prompts")
+            raise InputError(f"eval.sets {eval_set.name!r}: source {eval_set.source!r} gave no prompts")
         rows = pd.DataFrame(evaluate_set(eval_set.name, conversations, target, drafter, block_size, cfg.max_new_tokens))
         rows.to_csv(out_dir / f"{eval_set.name}.csv", index=False)
         summary.append(summarize(eval_set.name, rows, block_size))

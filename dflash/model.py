@@ -23,6 +23,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dflash.attention import TrainingMask, attend
+from dflash.config import MIN_BLOCK_SIZE
+from dflash.errors import InputError, MissingInputError
+from dflash.io import atomic_path, atomic_write_text
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -35,9 +38,9 @@ def target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
     layer T-3 (Python's round, as the reference uses).
     """
     if num_features < 1:
-        raise ValueError(f"num_features must be at least 1, got {num_features}")
+        raise InputError(f"num_features must be at least 1, got {num_features}")
     if num_target_layers < 4 and num_features > 1:
-        raise ValueError(f"a target with {num_target_layers} layers is too shallow for {num_features} features")
+        raise InputError(f"a target with {num_target_layers} layers is too shallow for {num_features} features")
     if num_features == 1:
         return [num_target_layers // 2]
     span = num_target_layers - 4
@@ -70,20 +73,16 @@ class DFlashConfig:
     def __post_init__(self):
         problems = []
         if self.num_attention_heads % self.num_key_value_heads:
-            problems.append(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if self.block_size < 2:
-            problems.append(f"block_size must be at least 2, got {self.block_size}")
+            problems.append(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads ({self.num_key_value_heads})")
+        if self.block_size < MIN_BLOCK_SIZE:
+            problems.append(f"block_size must be at least {MIN_BLOCK_SIZE}, got {self.block_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
         bad_ids = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if not self.target_layer_ids or bad_ids:
-            problems.append(
-                f"target_layer_ids {self.target_layer_ids} must be non-empty ids in [0, {self.num_target_layers})"
-            )
+            problems.append(f"target_layer_ids {self.target_layer_ids} must be non-empty ids in [0, {self.num_target_layers})")
         if problems:
-            raise ValueError("invalid DFlashConfig: " + "; ".join(problems))
+            raise InputError("invalid DFlashConfig: " + "; ".join(problems))
 
     @classmethod
     def for_target(
@@ -99,7 +98,7 @@ class DFlashConfig:
         num_attention_heads: int | None = None,
         num_key_value_heads: int | None = None,
         head_dim: int | None = None,
-    ) -> "DFlashConfig":
+    ) -> DFlashConfig:
         """A drafter shaped like the target's own layers (a transformers config), unless told otherwise."""
         num_target_layers = target_config.num_hidden_layers
         target_heads = target_config.num_attention_heads
@@ -164,18 +163,16 @@ class DFlashConfig:
         }
 
     @classmethod
-    def from_reference_dict(cls, data: dict, source: str = "config") -> "DFlashConfig":
+    def from_reference_dict(cls, data: dict, source: str = "config") -> DFlashConfig:
         """Read a reference ``config.json``; ``block_size`` may sit at the top level or in ``dflash_config``."""
         if "DFlashDraftModel" not in data.get("architectures", []):
-            raise ValueError(
-                f"{source}: architectures={data.get('architectures')} is not a DFlash drafter (expected 'DFlashDraftModel')"
-            )
+            raise InputError(f"{source}: architectures={data.get('architectures')} is not a DFlash drafter (expected 'DFlashDraftModel')")
         extra = data.get("dflash_config") or {}
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_target_layers") if k not in data]
         if "mask_token_id" not in extra:
             missing.append("dflash_config.mask_token_id")
         if missing:
-            raise ValueError(f"{source}: missing required field(s) {missing}")
+            raise InputError(f"{source}: missing required field(s) {missing}")
         rope = data.get("rope_parameters") or {}
         heads = data["num_attention_heads"]
         num_layers = data["num_hidden_layers"]
@@ -388,46 +385,38 @@ class DFlashDrafter(nn.Module):
     def save_pretrained(self, directory: str | Path) -> Path:
         """Write ``config.json`` and ``model.safetensors`` in the reference format, atomically per file."""
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
         state = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
-        tmp_weights = directory / f".{WEIGHTS_NAME}.tmp"
-        save_file(state, str(tmp_weights), metadata={"format": "pt"})
-        tmp_config = directory / f".{CONFIG_NAME}.tmp"
+        with atomic_path(directory / WEIGHTS_NAME) as staging:
+            save_file(state, str(staging), metadata={"format": "pt"})
         # The config states the dtype the weights are stored in, which loaders honour.
         stored = dataclasses.replace(self.config, dtype=str(self.fc.weight.dtype).removeprefix("torch."))
-        tmp_config.write_text(json.dumps(stored.to_reference_dict(), indent=2) + "\n")
-        tmp_weights.replace(directory / WEIGHTS_NAME)
-        tmp_config.replace(directory / CONFIG_NAME)
+        atomic_write_text(directory / CONFIG_NAME, json.dumps(stored.to_reference_dict(), indent=2) + "\n")
         return directory
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> "DFlashDrafter":
+    def from_pretrained(cls, directory: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> DFlashDrafter:
         """Load a reference-format drafter (ours or the authors'); reads safetensors only, never unpickles."""
         directory = Path(directory)
         config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
         for path in (config_path, weights_path):
             if not path.is_file():
-                raise FileNotFoundError(f"{path} does not exist: a DFlash checkpoint directory holds {CONFIG_NAME} and {WEIGHTS_NAME}")
+                raise MissingInputError(f"{path} does not exist: a DFlash checkpoint directory holds {CONFIG_NAME} and {WEIGHTS_NAME}")
         try:
             data = json.loads(config_path.read_text())
         except json.JSONDecodeError as err:
-            raise ValueError(f"{config_path} is not valid JSON: {err}") from err
+            raise InputError(f"{config_path} is not valid JSON: {err}") from err
         config = DFlashConfig.from_reference_dict(data, source=str(config_path))
         state = load_file(str(weights_path), device="cpu")
         model = cls(config)
         expected = set(model.state_dict())
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:
-            raise ValueError(
+            raise InputError(
                 f"{weights_path} does not match its config.json: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                 f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
             )
         for name, tensor in model.state_dict().items():
             if state[name].shape != tensor.shape:
-                raise ValueError(f"{weights_path}: {name} has shape {tuple(state[name].shape)}, config.json implies {tuple(tensor.shape)}")
+                raise InputError(f"{weights_path}: {name} has shape {tuple(state[name].shape)}, config.json implies {tuple(tensor.shape)}")
         model.load_state_dict(state)
         return model.to(device=device, dtype=dtype)
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-

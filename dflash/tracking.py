@@ -32,10 +32,6 @@ class Tracker:
     def summary(self, values: dict) -> None:
         self.run.summary.update(values)
 
-    @property
-    def directory(self) -> str:
-        return self.run.dir
-
     def finish(self) -> None:
         self.run.finish()
 

@@ -28,23 +28,14 @@ import torch
 # (one thread is 5-10x faster here than the default on a busy 2-core machine).
 torch.set_num_threads(int(os.environ.get("DFLASH_TEST_THREADS", "1")))
 
-VOCAB = 128
+from dflash.preflight.synthetic import TINY_SHAPE as SHAPE
+
+VOCAB = SHAPE["vocab_size"]
 EOS = 127
 MASK = 126
 PROMPT_HIGH = 120  # prompts use ids in [1, PROMPT_HIGH): never EOS nor MASK
 
-TINY_SHAPE = dict(
-    num_hidden_layers=6,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=VOCAB,
-    max_position_embeddings=512,
-    bos_token_id=0,
-    eos_token_id=EOS,
-    tie_word_embeddings=False,
-)
+TINY_SHAPE = SHAPE | dict(num_hidden_layers=6, max_position_embeddings=512, bos_token_id=0, eos_token_id=EOS, tie_word_embeddings=False)
 
 
 def llama_config(**overrides):
@@ -56,7 +47,7 @@ def llama_config(**overrides):
 def qwen3_config(**overrides):
     from transformers import Qwen3Config
 
-    return Qwen3Config(**{**TINY_SHAPE, "head_dim": 16, **overrides})
+    return Qwen3Config(**{**TINY_SHAPE, **overrides})
 
 
 def build_target(config, seed: int = 0):

@@ -21,6 +21,7 @@ import dflash.train
 from dflash import distributed
 from dflash.config import DrafterConfig, TopologyConfig, TrainConfig, parse_section
 from dflash.preflight.synthetic import synthetic_samples, tiny_target
+from dflash.step import drafter_config_for
 
 VOCAB = 128
 MASK = 127
@@ -44,7 +45,7 @@ def run(spec: dict) -> None:
     layout = distributed.init(topology)
     target = tiny_target(seed=0)
     samples = synthetic_samples(spec["lengths"], VOCAB, seed=0)
-    layer_ids = dflash.train.drafter_config_for(target, parse_section(DrafterConfig, spec["drafter"], "drafter")).target_layer_ids
+    layer_ids = drafter_config_for(target, parse_section(DrafterConfig, spec["drafter"], "drafter")).target_layer_ids
     steps: list[dict] = []
     original = dflash.train.train_step
 

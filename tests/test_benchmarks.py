@@ -15,9 +15,7 @@ spec.loader.exec_module(data_ceiling)
 def test_first_position_examples_follow_the_training_anchor_rule():
     # Sample 0: prompt 10 11, response 12 13 14 (loss mask on 2..4): anchors 2 and 3 (t and t+1 in the mask).
     # Sample 1: response starts at 1: anchors 1, 2; never 0 (no features before it).
-    samples = pd.DataFrame(
-        {"input_ids": [[10, 11, 12, 13, 14], [20, 21, 22, 23]], "loss_mask": [[0, 0, 1, 1, 1], [1, 1, 1, 1]]}
-    )
+    samples = pd.DataFrame({"input_ids": [[10, 11, 12, 13, 14], [20, 21, 22, 23]], "loss_mask": [[0, 0, 1, 1, 1], [1, 1, 1, 1]]})
     # Features of a token: its position in the sample, in every column.
     cache = [torch.arange(5.0)[:, None].expand(5, 3), torch.arange(4.0)[:, None].expand(4, 3)]
     current, features, following, sample_of = data_ceiling.first_position_examples(samples, cache)

@@ -1,10 +1,9 @@
-import json
+import typing
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 import jsonschema
 import pytest
-import typing
 import yaml
 
 from dflash.config import Config, ConfigError, canonical_json, load_config

@@ -5,26 +5,24 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from dflash.config import GenerationConfig
 from dflash.data import (
     Conversation,
     DataCard,
-    GenerationSettings,
     build_samples,
     load_conversations,
     read_samples,
     regenerate_responses,
     split_conversations,
 )
+from dflash.preflight.synthetic import TINY_SHAPE
 from dflash.target import Target
 
 
 @pytest.fixture(scope="module")
 def tiny_target():
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=63, pad_token_id=0,
-    )
+    config = LlamaConfig(**TINY_SHAPE | dict(vocab_size=64, num_hidden_layers=2, max_position_embeddings=256, eos_token_id=63, pad_token_id=0))
     return Target.from_model(LlamaForCausalLM(config))
 
 
@@ -38,13 +36,15 @@ def test_prompt_and_messages_records_become_conversations(tmp_path):
         tmp_path / "p.jsonl",
         [
             {"prompt": "hello"},
-            {"messages": [
-                {"role": "system", "content": "be brief"},
-                {"role": "user", "content": "first"},
-                {"role": "assistant", "content": "answer"},
-                {"role": "user", "content": "second"},
-                {"role": "assistant", "content": "dropped: the target answers itself"},
-            ]},
+            {
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "first"},
+                    {"role": "assistant", "content": "answer"},
+                    {"role": "user", "content": "second"},
+                    {"role": "assistant", "content": "dropped: the target answers itself"},
+                ]
+            },
             {"prompt": "hello"},  # a duplicate
         ],
     )
@@ -95,10 +95,10 @@ def test_samples_mask_the_prompt_and_count_drops():
 
 def test_batched_regeneration_equals_one_prompt_at_a_time(tiny_target):
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [3, 4, 5, 6, 7, 8, 9, 10]]
-    batched = regenerate_responses(tiny_target, prompts, GenerationSettings(max_new_tokens=12, batch_size=3))
+    batched = regenerate_responses(tiny_target, prompts, GenerationConfig(max_new_tokens=12, batch_size=3))
     for prompt, response in zip(prompts, batched):
         ids = torch.tensor([prompt])
-        alone = tiny_target.model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        alone = tiny_target.model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(prompt) :].tolist()
         if 63 in alone:
             alone = alone[: alone.index(63) + 1]
         assert response == alone

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import EOS, MASK, build_drafter, build_target, llama_config, qwen3_config, random_prompt
-from dflash.decode import speculative_generate
 
+from dflash.decode import speculative_generate
 
 _GREEDY_MEMO: dict = {}
 
@@ -17,9 +16,7 @@ def greedy(target, ids: torch.Tensor, max_new_tokens: int, eos_token_id=None) ->
     key = (id(target.model), tuple(ids[0].tolist()), max_new_tokens, eos_token_id)
     if key not in _GREEDY_MEMO:
         kwargs = {} if eos_token_id is None else {"eos_token_id": eos_token_id}
-        out = target.model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kwargs
-        )
+        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kwargs)
         _GREEDY_MEMO[key] = (target.model, out[0, ids.shape[1] :].tolist())  # the model is kept so that its id stays unique
     return list(_GREEDY_MEMO[key][1])
 

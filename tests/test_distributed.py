@@ -15,14 +15,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import distributed_worker
 import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import distributed_worker
+from dflash.batch import Schedule
+from dflash.checkpoint import complete_checkpoints
 from dflash.distributed import routes
-from dflash.train import Schedule, complete_checkpoints
 
 pytestmark = pytest.mark.slow
 
@@ -158,4 +159,3 @@ def test_colocated_2_processes_resume_after_a_crash(tmp_path, colocated_2, one_p
         assert torch.equal(tensor, expected[name]), name
     resumed, uninterrupted = pd.read_csv(out / "metrics.csv"), pd.read_csv(colocated_2 / "metrics.csv")
     pd.testing.assert_frame_equal(resumed.drop(columns="tokens_per_s"), uninterrupted.drop(columns="tokens_per_s"))
-

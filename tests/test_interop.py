@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import EOS, MASK, build_drafter, build_target, qwen3_config, random_prompt
 from safetensors.torch import load_file, save_file
 
-from conftest import EOS, MASK, build_drafter, build_target, qwen3_config, random_prompt
 from dflash.decode import speculative_generate
 from dflash.model import DFlashDrafter, target_layer_ids
 from dflash.target import cache_root
@@ -73,7 +73,7 @@ def authors_package() -> Path:
 
 
 # Runs in a clean interpreter: the authors' package first on sys.path, ours nowhere.
-AUTHORS_SCRIPT = r'''
+AUTHORS_SCRIPT = r"""
 import json, sys, time, warnings
 from pathlib import Path
 
@@ -138,7 +138,7 @@ with warnings.catch_warnings(record=True) as caught:
 out["warnings"] = sorted({f"{w.category.__name__}: {str(w.message).splitlines()[0]}" for w in caught})
 save_file({k: v.contiguous() for k, v in tensors.items()}, job["tensors_out"])
 Path(job["json_out"]).write_text(json.dumps(out, indent=1))
-'''
+"""
 
 LAYER_ID_CASES = [(t, k) for t in range(4, 65) for k in range(1, 9)] + [(t, 1) for t in range(1, 4)]
 
@@ -226,11 +226,9 @@ def authors_run(authors_package, tmp_path_factory, qwen3_target, llama_target):
     assert result.returncode == 0, f"the authors' code failed:\n{result.stderr[-4000:]}"
 
     ours = {"hidden": ours_hidden, "logits": ours_logits, "features": features, "generate": []}
-    for name, prompts, api, block_size, max_new, stop in cases:
+    for name, prompts, _api, block_size, max_new, stop in cases:
         target, drafter = models[name]
-        ours["generate"].append(
-            [speculative_generate(target, drafter, p, max_new, block_size=block_size, stop_token_ids=stop or []) for p in prompts]
-        )
+        ours["generate"].append([speculative_generate(target, drafter, p, max_new, block_size=block_size, stop_token_ids=stop or []) for p in prompts])
     return {
         "json": json.loads(Path(job["json_out"]).read_text()),
         "tensors": load_file(job["tensors_out"]),

@@ -7,7 +7,6 @@ verdict contract is checked as the workflow reads it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import threading
@@ -15,29 +14,27 @@ import threading
 import pytest
 import torch
 
+from dflash.cli import main
+from dflash.compile_cache import use_warm_cache
 from dflash.config import PreflightConfig, TopologyConfig, TrainConfig
-from dflash.fx_race import fx_race_safe, fx_tracing_flag
-from dflash.preflight import cli
 from dflash.preflight.env_check import env_check, supported_ranges
-from dflash.preflight.race import PROCESSES, THREADS, execution_is_safe
+from dflash.preflight.fx_race import fx_race_safe, fx_tracing_flag
+from dflash.preflight.gate import PROCESSES, THREADS, execution_is_safe
 from dflash.preflight.smoke_imports import import_lines, smoke_imports
 from dflash.preflight.verdict import Verdict, read_verdict, write_verdict
-from dflash.preflight.warmup import _device_env, batch_rows, use_warm_cache
+from dflash.preflight.warmup import _device_env, batch_rows
 
 # The flag became thread-local after 2.13 (pytorch PR #168999); up to 2.13 the deterministic race must reproduce.
 RACY_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) <= (2, 13)
 
 
 def run_cli(argv: list[str]) -> int:
-    """The subcommands as ``dflash/cli.py`` registers them, without the rest of the command line."""
-    parser = argparse.ArgumentParser(prog="dflash")
-    cli.add_subcommands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
+    """``python -m dflash ARGV`` in this process; the intra-op threads it sets are restored afterwards."""
+    threads = torch.get_num_threads()
     try:
-        args.run(args)
-    except SystemExit as exit:
-        return int(exit.code)
-    return 0
+        return main(argv)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # -- verdicts ----------------------------------------------------------------------------------------
@@ -82,7 +79,17 @@ def test_env_check_passes_on_a_cpu_topology(tmp_path):
 
 def test_env_check_names_the_config_keys_when_devices_are_missing(tmp_path):
     asked = torch.cuda.device_count() + 8
-    code = run_cli(["env-check", "--topology", json.dumps({"device": "cuda", "nproc_per_node": asked}), "--results-dir", str(tmp_path), "--out", str(tmp_path / "env.json")])
+    code = run_cli(
+        [
+            "env-check",
+            "--topology",
+            json.dumps({"device": "cuda", "nproc_per_node": asked}),
+            "--results-dir",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "env.json"),
+        ]
+    )
     verdict = json.loads((tmp_path / "env.json").read_text())
     assert code == 1 and verdict["ok"] is False and verdict["torch_version"] == torch.__version__
     message = next(p for p in verdict["problems"] if "CUDA device(s) per node asked for" in p)
@@ -172,7 +179,9 @@ def test_execution_is_safe():
 @pytest.mark.slow
 def test_repro_fx_race_reproduces_and_the_mitigation_holds(tmp_path):
     out = tmp_path / "repro_fx_race.json"
-    code = run_cli(["repro-fx-race", "--topology", "{}", "--preflight", json.dumps({"repro_fx_race": {"threads": 2, "trials": 3, "steps": 3}}), "--out", str(out)])
+    code = run_cli(
+        ["repro-fx-race", "--topology", "{}", "--preflight", json.dumps({"repro_fx_race": {"threads": 2, "trials": 3, "steps": 3}}), "--out", str(out)]
+    )
     verdict = json.loads(out.read_text())
     assert code == 0 and verdict["ok"], verdict["problems"]
     assert verdict["torch_version"] == torch.__version__ and verdict["mitigation"]
@@ -287,5 +296,5 @@ def test_warmup_second_start_runs_from_the_cache(tmp_path, tiny_target_manifest,
     assert verdict["graphs"][0] == 1
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    assert use_warm_cache(out) == cache.resolve()
+    assert use_warm_cache(read_verdict(out, "warmup_cache")) == cache.resolve()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache.resolve())

@@ -14,12 +14,12 @@ import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_chat_target import build_tiny_chat_target
 
+from dflash.checkpoint import complete_checkpoints, resume_point, write_checkpoint
+from dflash.distributed import single_process
 from dflash.preflight.synthetic import synthetic_samples
 from dflash.target import write_manifest
-from dflash.train import complete_checkpoints, resume_point, write_checkpoint
-from dflash.distributed import single_process
-from tiny_chat_target import build_tiny_chat_target
 
 TRAIN = {"epochs": 3, "batch_size": 2, "max_anchors": 8, "compile": False, "checkpoint_every": 4, "log_every": 2}
 DRAFTER = {"num_hidden_layers": 1, "num_context_features": 2, "block_size": 4}
@@ -85,7 +85,7 @@ def test_kill_9_mid_run_then_rerun_ends_with_the_uninterrupted_weights(tmp_path,
 WRITER = """
 import sys, torch
 from pathlib import Path
-from dflash.train import write_checkpoint
+from dflash.checkpoint import write_checkpoint
 directory = Path(sys.argv[1])
 write_checkpoint(directory, 1, {"weights": torch.ones(4)})
 print("first written", flush=True)

@@ -1,12 +1,11 @@
-import math
 import os
 
-import pandas as pd
 import pytest
 import torch
 
-from dflash.objective import decayed_loss, sample_positions
-from dflash.train import FrozenHeadCrossEntropy, epoch_order, global_batches, lr_factor, rank_slice
+from dflash.batch import epoch_order, global_batches, rank_slice
+from dflash.objective import FrozenHeadCrossEntropy, decayed_loss, sample_positions
+from dflash.train import lr_factor
 
 
 def test_frozen_head_cross_entropy_matches_autograd_of_the_decayed_loss():

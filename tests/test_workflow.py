@@ -33,7 +33,6 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-
 from tiny_chat_target import UNUSED, build_tiny_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -463,12 +462,15 @@ def test_a_change_reruns_only_what_it_invalidates(e2e, change, expected):
         ("report", {"report", "all"}),
         ("decode", {"evaluate", "report", "all"}),
         ("tracking", DOWNSTREAM_OF_TRAIN),
+        # Training state on disk and where hidden states come from: the training loop only, never the preflight stages.
+        ("checkpoint", DOWNSTREAM_OF_TRAIN),
+        ("features", DOWNSTREAM_OF_TRAIN),
         ("data", {"prepare_data"} | DOWNSTREAM_OF_TRAIN),
         ("preflight/race", {"repro_fx_race"} | DOWNSTREAM_OF_TRAIN),
         # smoke_imports runs the drafter's training step on each attention backend, as warmup_cache and train do.
         ("objective", {"smoke_imports", "repro_fx_race", "warmup_cache"} | DOWNSTREAM_OF_TRAIN),
     ],
-    ids=["report", "decode", "tracking", "data", "preflight-race", "objective"],
+    ids=["report", "decode", "tracking", "checkpoint", "features", "data", "preflight-race", "objective"],
 )
 def test_a_code_change_reruns_the_jobs_that_run_it(e2e, module, expected):
     """The package files a job runs are its inputs (the working directory is a copy of the project: its package may be edited)."""

@@ -23,6 +23,8 @@ import json
 import sys
 from pathlib import Path
 
+from dflash.preflight.synthetic import TINY_SHAPE
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -33,16 +35,8 @@ PAD, BOS, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 UNUSED = [f"<|unused_{i}|>" for i in range(4)]
 SPECIAL_TOKENS = [PAD, BOS, EOS, *UNUSED]
 
-TINY_LLAMA = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=1024,
-    tie_word_embeddings=False,
-)
+# The package's tiny shape, over this tokenizer's vocabulary.
+TINY_LLAMA = {k: v for k, v in TINY_SHAPE.items() if k != "vocab_size"} | dict(num_hidden_layers=6, max_position_embeddings=1024, tie_word_embeddings=False)
 
 _WORDS = (
     "the a an of to in on for with by from model token draft block target layer speculative decoding "

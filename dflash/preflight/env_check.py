@@ -25,6 +25,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 from dflash.config import PreflightConfig, TopologyConfig
+from dflash.errors import PreflightError
 from dflash.preflight.verdict import Verdict
 from dflash.target import cache_root
 
@@ -54,9 +55,9 @@ def supported_ranges() -> dict[str, str]:
         try:
             import tomllib
         except ModuleNotFoundError as err:  # Python 3.10
-            raise RuntimeError(f"{PROJECT} is not installed and Python {platform.python_version()} cannot read {pyproject}: run `pip install -e .`") from err
+            raise PreflightError(f"{PROJECT} is not installed and Python {platform.python_version()} cannot read {pyproject}: run `pip install -e .`") from err
         if not pyproject.is_file():
-            raise RuntimeError(f"{PROJECT} is not installed and {pyproject} does not exist: run `pip install -e .` in the project directory") from None
+            raise PreflightError(f"{PROJECT} is not installed and {pyproject} does not exist: run `pip install -e .` in the project directory") from None
         project = tomllib.loads(pyproject.read_text())["project"]
         requires, python = project["dependencies"], project["requires-python"]
     ranges = {"python": python}
@@ -73,7 +74,7 @@ def supported_ranges() -> dict[str, str]:
 def check_versions(verdict: EnvVerdict) -> None:
     try:
         ranges = supported_ranges()
-    except RuntimeError as err:
+    except PreflightError as err:
         verdict.fail(str(err))
         return
     for name, spec in ranges.items():
@@ -128,7 +129,9 @@ def check_devices(verdict: EnvVerdict, topology: TopologyConfig) -> None:
                 f"topology.device is 'cuda' and topology.nproc_per_node is {asked}: {asked} CUDA device(s) per node asked for, {count} found ({why}). {fix}"
             )
         if multi_process and not nccl:
-            verdict.fail(f"topology asks for {topology.nnodes * asked} CUDA processes but this torch has no NCCL: install a CUDA build of torch with NCCL, or use one device (topology.nproc_per_node: 1, topology.nnodes: 1)")
+            verdict.fail(
+                f"topology asks for {topology.nnodes * asked} CUDA processes but this torch has no NCCL: install a CUDA build of torch with NCCL, or use one device (topology.nproc_per_node: 1, topology.nnodes: 1)"
+            )
     else:
         cores = os.cpu_count() or 1
         if asked > cores:
@@ -137,7 +140,9 @@ def check_devices(verdict: EnvVerdict, topology: TopologyConfig) -> None:
                 f"Set topology.nproc_per_node to at most {cores} (the CPU config {CPU_CONFIG} uses 1)"
             )
         if multi_process and not (distributed and torch.distributed.is_gloo_available()):
-            verdict.fail("several CPU processes need torch.distributed with the gloo backend, which this torch lacks: set topology.nproc_per_node: 1 and topology.nnodes: 1")
+            verdict.fail(
+                "several CPU processes need torch.distributed with the gloo backend, which this torch lacks: set topology.nproc_per_node: 1 and topology.nnodes: 1"
+            )
 
 
 def _probe_cxx(compiler: str) -> str | None:
@@ -161,7 +166,9 @@ def check_compiler(verdict: EnvVerdict, topology: TopologyConfig) -> None:
         ok = has_triton()
         verdict.compiler = {"kind": "triton", "ok": ok}
         if not ok:
-            verdict.fail("Triton is not available, so torch.compile cannot build GPU kernels: install the triton version matching torch (`pip install triton`), or set train.compile: false")
+            verdict.fail(
+                "Triton is not available, so torch.compile cannot build GPU kernels: install the triton version matching torch (`pip install triton`), or set train.compile: false"
+            )
         return
     from torch._inductor.cpp_builder import get_cpp_compiler
 

@@ -1,6 +1,6 @@
 """Preflight stage ``repro_fx_race``: the torch.compile FX-tracing race, reproduced on the installed torch, and the mitigation verified.
 
-Three experiments on one device (see ``dflash.fx_race`` for the mechanism):
+Three experiments on one device (see ``dflash.preflight.fx_race`` for the mechanism):
 
 (a) deterministic: thread A holds an FX trace open (a ``make_fx`` of a
     function that waits on an event) while thread B calls the compiled
@@ -25,10 +25,10 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -36,7 +36,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from dflash.attention import TrainingMask, build_training_mask, resolve_backend
 from dflash.config import RaceConfig, TopologyConfig
-from dflash.fx_race import (
+from dflash.model import Attention, DFlashConfig, RotaryEmbedding
+from dflash.preflight.fx_race import (
     MITIGATION,
     clear_fx_tracing_flag,
     frames_holding_trace,
@@ -44,19 +45,15 @@ from dflash.fx_race import (
     fx_tracing_flag,
     is_fx_race_error,
 )
-from dflash.model import Attention, DFlashConfig, RotaryEmbedding
+from dflash.preflight.gate import PROCESSES, THREADS, first_device
+from dflash.preflight.synthetic import TINY_SHAPE
 from dflash.preflight.verdict import Verdict
 
-# How training may run, as ``safe_for`` names it.
-PROCESSES = "one_process_per_device"  # torchrun: no two threads share the flag
-THREADS = "threads"  # several threads of one process call compiled code
-
 TIMEOUT_S = 300.0  # a hung trial is a failure, not a stuck workflow
-# Python's default 5 ms GIL switch interval lets a thread run its whole step
-# while another sits in a short backward trace: 2 threads on CPU raised in 0/4
-# trials (0/3 on CI). Threads driving GPUs release the GIL at every kernel
-# launch and interleave finely; a 10 us interval gives that interleaving on
-# CPU (100 us: 2/4 trials raised, 10 us: 4/4, 1 us: 4/4).
+# Threads driving GPUs release the GIL at every kernel launch and interleave
+# finely; Python's default 5 ms switch interval would let a CPU thread run its
+# whole step while another sits in a short backward trace, and hide the race.
+# A 10 us interval gives CPU threads the GPU threads' interleaving.
 SWITCH_INTERVAL_S = 1e-5
 
 
@@ -99,19 +96,7 @@ class RaceVerdict(Verdict):
 # -- the compiled thing: the drafter's attention layer -----------------------------------------------
 
 # The drafter's attention at tiny shapes: a cold compile of its forward and backward takes seconds.
-TINY = DFlashConfig(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=128,
-    num_target_layers=4,
-    target_layer_ids=[1],
-    mask_token_id=127,
-    block_size=4,
-)
+TINY = DFlashConfig(**TINY_SHAPE, num_hidden_layers=1, num_target_layers=4, target_layer_ids=[1], mask_token_id=127, block_size=4)
 ANCHORS = 3
 
 
@@ -351,13 +336,9 @@ def run_trials(device: torch.device, race: RaceConfig, mitigate: bool, cache_roo
 # -- the verdict ------------------------------------------------------------------------------------
 
 
-def race_device(topology: TopologyConfig) -> torch.device:
-    return torch.device("cuda:0" if topology.device == "cuda" else "cpu")
-
-
 def repro_fx_race(topology: TopologyConfig, race: RaceConfig) -> RaceVerdict:
     start = time.perf_counter()
-    device = race_device(topology)
+    device = first_device(topology)
     verdict = RaceVerdict(device=str(device))
     with tempfile.TemporaryDirectory(prefix="dflash-race-") as tmp:
         with cold_compile_caches(Path(tmp) / "deterministic"):
@@ -367,7 +348,9 @@ def repro_fx_race(topology: TopologyConfig, race: RaceConfig) -> RaceVerdict:
     verdict.safe_for = [PROCESSES]
     for label, trials in (("natural", verdict.natural), ("mitigated", verdict.mitigated)):
         if trials.other_errors:
-            verdict.fail(f"the {label} race trials failed for another reason than the race: {trials.other_errors[0]}; run `dflash repro-fx-race` alone to see it, and fix that first")
+            verdict.fail(
+                f"the {label} race trials failed for another reason than the race: {trials.other_errors[0]}; run `dflash repro-fx-race` alone to see it, and fix that first"
+            )
     mitigated = verdict.mitigated
     verdict.mitigation_verified = not (
         verdict.deterministic.mitigated_raised or mitigated.errors or mitigated.flag_stuck or mitigated.eager_calls or mitigated.other_errors
@@ -388,23 +371,3 @@ def repro_fx_race(topology: TopologyConfig, race: RaceConfig) -> RaceVerdict:
         f"safe for {', '.join(verdict.safe_for)}"
     )
     return verdict
-
-
-def execution_is_safe(verdict: dict, topology: TopologyConfig, threads_per_process: int = 1) -> tuple[bool, str]:
-    """Whether training may run as configured, given the ``repro_fx_race`` verdict (a dict, as read from JSON).
-
-    One process per device (torchrun; ``threads_per_process`` 1) is always
-    safe: the flag is per process. Several threads of one process calling
-    compiled code are safe only where the verdict verified the mitigation,
-    and each thread must run under ``dflash.fx_race.fx_race_safe``.
-    """
-    if threads_per_process <= 1:
-        return True, f"{topology.nnodes * topology.nproc_per_node} process(es), one thread each calling compiled code: no shared FX flag"
-    if verdict.get("torch_version") != torch.__version__:
-        return False, f"the race verdict is for torch {verdict.get('torch_version')}, this is torch {torch.__version__}: rerun the repro_fx_race stage"
-    if THREADS in verdict.get("safe_for", []):
-        return True, f"{threads_per_process} threads per process, safe with {verdict['mitigation']} in every thread (verified on torch {torch.__version__})"
-    return False, (
-        f"{threads_per_process} threads per process would share the FX tracing flag and the mitigation is not verified on torch {torch.__version__} "
-        f"({verdict.get('summary')}): run one process per device (torchrun)"
-    )

@@ -19,9 +19,9 @@ import importlib
 import time
 import traceback
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -156,7 +156,7 @@ def check_backends(verdict: SmokeVerdict, device: torch.device) -> None:
     from dflash.model import DFlashDrafter
     from dflash.objective import default_gamma
     from dflash.preflight.synthetic import synthetic_batch, tiny_drafter_config, tiny_target
-    from dflash.train import drafter_loss
+    from dflash.step import drafter_loss
 
     target = tiny_target(device)
     config = tiny_drafter_config(target)
@@ -175,7 +175,9 @@ def check_backends(verdict: SmokeVerdict, device: torch.device) -> None:
                 loss = drafter_loss(drafter, target, batch, backend, head_chunk=64)[0]
             result["forward_loss"] = float(loss)
             if not torch.isfinite(loss):
-                verdict.fail(f"the {backend} attention backend gives a non-finite loss ({float(loss)}) on a tiny drafter: the attention mask or kernel is broken")
+                verdict.fail(
+                    f"the {backend} attention backend gives a non-finite loss ({float(loss)}) on a tiny drafter: the attention mask or kernel is broken"
+                )
                 continue
             if not can_train:
                 result["trained"] = False
@@ -190,13 +192,17 @@ def check_backends(verdict: SmokeVerdict, device: torch.device) -> None:
             moved = any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters(), strict=True))
             result["trained"] = grads_finite and moved
             if not result["trained"]:
-                verdict.fail(f"a training step with the {backend} attention backend left {'non-finite or missing gradients' if not grads_finite else 'the weights unchanged'}: the backward is broken")
+                verdict.fail(
+                    f"a training step with the {backend} attention backend left {'non-finite or missing gradients' if not grads_finite else 'the weights unchanged'}: the backward is broken"
+                )
         except Exception as err:
             result["error"] = f"{type(err).__name__}: {err}"
             verdict.fail(f"the {backend} attention backend fails on a tiny drafter on {device}: {type(err).__name__}: {err}")
     losses = {b: r["forward_loss"] for b, r in verdict.backends.items() if "forward_loss" in r}
     if len(losses) == 2 and abs(losses["sdpa"] - losses["flex"]) > 1e-3 * max(1.0, abs(losses["sdpa"])):
-        verdict.fail(f"the sdpa and flex attention backends disagree on the same batch (loss {losses['sdpa']:.6f} vs {losses['flex']:.6f}): the two mask paths in dflash.attention differ")
+        verdict.fail(
+            f"the sdpa and flex attention backends disagree on the same batch (loss {losses['sdpa']:.6f} vs {losses['flex']:.6f}): the two mask paths in dflash.attention differ"
+        )
 
 
 def smoke_imports(device: str = "cpu", lines: Sequence[str] | dict[str, list[str]] | None = None) -> SmokeVerdict:

@@ -3,8 +3,9 @@
 Preflight stages and tests need a target, samples and target features of the
 right shapes, not of the right values: a tiny random Llama stands in for the
 target, random token rows for the samples, random features for the target's
-hidden states. Batches still go through ``dflash.train.make_batch``, so they
-are laid out exactly as in training.
+hidden states. Batches still go through ``dflash.batch.make_batch``, so they
+are laid out exactly as in training. ``TINY_SHAPE`` is the one tiny shape
+every stand-in (target, drafter, the race's attention layer, the tests') starts from.
 """
 
 from __future__ import annotations
@@ -13,20 +14,12 @@ import pandas as pd
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from dflash.batch import Batch, make_batch
 from dflash.model import DFlashConfig
 from dflash.target import Target
-from dflash.train import Batch, make_batch
 
-TINY_TARGET = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-)
+TINY_SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+TINY_TARGET = TINY_SHAPE | dict(num_hidden_layers=4, max_position_embeddings=512)
 
 
 def tiny_target(device: str | torch.device = "cpu", seed: int = 0) -> Target:
@@ -57,9 +50,7 @@ def synthetic_samples(lengths: list[int], vocab_size: int, seed: int = 0) -> pd.
     return pd.DataFrame(rows)
 
 
-def synthetic_batch(
-    config: DFlashConfig, lengths: list[int], max_anchors: int, gamma: float, seed: int = 0, sample_loss_positions: bool = False
-) -> Batch:
+def synthetic_batch(config: DFlashConfig, lengths: list[int], max_anchors: int, gamma: float, seed: int = 0, sample_loss_positions: bool = False) -> Batch:
     """One training batch of rows with these lengths, built by ``make_batch`` on random target features."""
     samples = synthetic_samples(lengths, config.vocab_size, seed)
     generator = torch.Generator().manual_seed(seed)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from dflash.errors import InputError, MissingInputError, PreflightError
+from dflash.io import atomic_write_text
 
 
 @dataclass
@@ -39,13 +41,10 @@ class Verdict:
 
 
 def write_verdict(verdict: Verdict, path: str | Path) -> Path:
-    """``path`` gets the JSON, ``path`` with ``.txt`` the summary line; each written under a temporary name and renamed."""
+    """``path`` gets the JSON, ``path`` with ``.txt`` the summary line; each written atomically."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for target, text in ((path, json.dumps(dataclasses.asdict(verdict), indent=2) + "\n"), (path.with_suffix(".txt"), verdict.report() + "\n")):
-        tmp = target.with_name(f".{target.name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, target)
+    atomic_write_text(path, json.dumps(dataclasses.asdict(verdict), indent=2) + "\n")
+    atomic_write_text(path.with_suffix(".txt"), verdict.report() + "\n")
     return path
 
 
@@ -53,11 +52,11 @@ def read_verdict(path: str | Path, stage: str) -> dict:
     """A verdict written by ``write_verdict``; an error when it is missing, from another stage, or not ok."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: run the preflight stage {stage} first (snakemake {path})")
+        raise MissingInputError(f"{path} does not exist: run the preflight stage {stage} first (snakemake {path})")
     data = json.loads(path.read_text())
     if data.get("stage") != stage:
-        raise ValueError(f"{path} is the verdict of stage {data.get('stage')!r}, expected {stage!r}")
+        raise InputError(f"{path} is the verdict of stage {data.get('stage')!r}, expected {stage!r}")
     if not data.get("ok"):
         problems = "\n  - ".join(data.get("problems") or ["(no problem recorded)"])
-        raise RuntimeError(f"preflight stage {stage} failed ({path}):\n  - {problems}")
+        raise PreflightError(f"preflight stage {stage} failed ({path}):\n  - {problems}")
     return data

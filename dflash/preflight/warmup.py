@@ -1,27 +1,24 @@
 """Preflight stage ``warmup_cache``: compile the drafter's training step once, into a cache training starts from.
 
 One job per drafter device (``cpu``, ``cuda0``, ...). It empties the cache
-directory, then runs the exact training step (``compile_drafter`` and
-``dflash.train.train_step`` on ``make_batch`` batches of training's shapes
-and rows) in a fresh process on a short and a long batch, filling inductor's
+directory, then runs the exact training step (``dflash.step.compile_drafter``
+and ``train_step`` on ``make_batch`` batches of training's shapes and rows) in a fresh process on a short and a long batch, filling inductor's
 FX-graph and AOT-autograd caches under ``cache_dir``. A second fresh process
 then starts against the warm cache, as training will. ``cold_seconds`` and
 ``warm_seconds`` are the compile times of the two first steps (torch's own
 compile timers); the wall times of the first steps and whole processes are
 recorded beside them, and the second process must hit the cache.
 
-Training calls ``use_warm_cache`` before it compiles and
-``log_compile_cache_hits`` after its first steps.
+Training points its compile cache at the warmed directory
+(``dflash.compile_cache.use_warm_cache``) before it compiles.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -32,10 +29,10 @@ from pathlib import Path
 
 import torch
 
+from dflash.compile_cache import compile_cache_hits, use_compile_cache
 from dflash.config import DrafterConfig, TopologyConfig, TrainConfig, cpu_threads, parse_section
-from dflash.preflight.verdict import Verdict, read_verdict
-
-log = logging.getLogger(__name__)
+from dflash.preflight.gate import device_index
+from dflash.preflight.verdict import Verdict
 
 TARGET_SPEEDUP = 5.0
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -58,52 +55,6 @@ class WarmupVerdict(Verdict):
     cache_mb: float = 0.0
     cold: dict = field(default_factory=dict)  # each process's own report: startup, steps, cache counters, compile phases
     warm: dict = field(default_factory=dict)
-
-
-# -- what training calls ---------------------------------------------------------------------------
-
-
-def use_compile_cache(cache_dir: str | Path) -> Path:
-    """Point this process's torch.compile caches (FX graph, AOT autograd, Triton) at ``cache_dir``; call before the first compile."""
-    cache_dir = Path(cache_dir).resolve()
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
-    return cache_dir
-
-
-def use_warm_cache(verdict_path: str | Path) -> Path:
-    """Point the compile caches at the directory a ``warmup_cache`` verdict warmed; an error if that stage failed."""
-    verdict = read_verdict(verdict_path, "warmup_cache")
-    if verdict["torch_version"] != torch.__version__:
-        log.warning("%s was warmed by torch %s, this is torch %s: every compile will miss", verdict_path, verdict["torch_version"], torch.__version__)
-    cache_dir = use_compile_cache(verdict["cache_dir"])
-    log.info("compile cache: %s (warmed: cold %.1f s, warm %.1f s)", cache_dir, verdict["cold_seconds"], verdict["warm_seconds"])
-    return cache_dir
-
-
-def compile_cache_hits() -> dict[str, int]:
-    """Cache hits and misses of this process's compiles so far."""
-    from torch._dynamo.utils import counters
-
-    return {
-        "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
-        "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
-        "autograd_cache_hit": counters["aot_autograd"]["autograd_cache_hit"],
-        "autograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"],
-        "frames_compiled": counters["frames"]["ok"],
-    }
-
-
-def log_compile_cache_hits(logger: logging.Logger = log) -> dict[str, int]:
-    """Log the hits after training's first steps; a miss means training compiled something the warmup did not."""
-    hits = compile_cache_hits()
-    logger.info(
-        "compile cache: FX graph %d hit(s), %d miss(es); AOT autograd %d hit(s), %d miss(es)",
-        hits["fxgraph_cache_hit"], hits["fxgraph_cache_miss"], hits["autograd_cache_hit"], hits["autograd_cache_miss"],
-    )
-    if hits["fxgraph_cache_miss"] or hits["autograd_cache_miss"]:
-        logger.warning("training compiled graphs the warmup did not (shapes, settings or code differ): those compiled cold")
-    return hits
 
 
 # -- the training step, in a fresh process ---------------------------------------------------------
@@ -148,8 +99,8 @@ def _step_main(spec: dict, report_path: Path) -> None:
     from dflash.model import DFlashDrafter
     from dflash.objective import default_gamma
     from dflash.preflight.synthetic import synthetic_batch
+    from dflash.step import compile_drafter, drafter_config_for, train_step
     from dflash.target import load_from_manifest
-    from dflash.train import compile_drafter, drafter_config_for, train_step
 
     use_compile_cache(spec["cache_dir"])
     device = torch.device(spec["device"])
@@ -193,12 +144,9 @@ def _device_env(device: str, topology: TopologyConfig) -> tuple[str, dict[str, s
     # The threads a training process of this topology runs with: inductor's CPU kernels are compiled for a thread count.
     env["OMP_NUM_THREADS"] = str(cpu_threads(topology.nproc_per_node))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
-    if device == "cpu":
+    index = device_index(device)
+    if index is None:
         return "cpu", env
-    match = re.fullmatch(r"cuda(\d+)", device)
-    if match is None:
-        raise ValueError(f"warmup device {device!r} is neither 'cpu' nor 'cudaN' (e.g. cuda0): fix preflight.warmup.devices")
-    index = int(match.group(1))
     visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     if len(visible) != 1:
         # Pin the job to its device, unless the scheduler already did (one visible device).

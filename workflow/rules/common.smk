@@ -59,7 +59,7 @@ def section(*keys, only=None, without=()):
 # imports lazily is run by a job only if the rule names that module (tests/test_workflow.py checks the
 # modules each job imported against its inputs).
 PACKAGE_ROOT = Path(workflow.basedir)
-ENTRY_POINTS = ("__main__", "cli", "preflight/cli")
+ENTRY_POINTS = ("__main__", "cli")
 
 
 def _module_file(name):

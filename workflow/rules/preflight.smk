@@ -4,7 +4,7 @@
 
 rule env_check:
     input:
-        package("preflight/__init__", "preflight/cli", "preflight/verdict", "preflight/env_check"),
+        package("preflight/__init__", "preflight/verdict", "preflight/env_check"),
     output:
         f"{RESULTS}/preflight/env.json",
     params:
@@ -23,7 +23,7 @@ rule env_check:
 
 rule smoke_imports:
     input:
-        package("preflight/__init__", "preflight/cli", "preflight/verdict", "preflight/smoke_imports"),
+        package("preflight/__init__", "preflight/verdict", "preflight/gate", "preflight/smoke_imports"),
         rules.env_check.output,
     output:
         f"{RESULTS}/preflight/smoke_imports.json",
@@ -39,7 +39,7 @@ rule smoke_imports:
 
 rule repro_fx_race:
     input:
-        package("preflight/__init__", "preflight/cli", "preflight/verdict", "preflight/race", "fx_race", "model", "attention"),
+        package("preflight/__init__", "preflight/verdict", "preflight/race", "preflight/fx_race", "model", "attention"),
         rules.smoke_imports.output,
     output:
         f"{RESULTS}/preflight/repro_fx_race.json",
@@ -60,9 +60,8 @@ rule repro_fx_race:
 
 rule warmup_cache:
     input:
-        # The warmup process runs the training step (train.py's module-level code and the step's functions), not
-        # the train stage's function: naming "train" would add the modules only that function imports.
-        package("preflight/__init__", "preflight/cli", "preflight/verdict", "preflight/warmup", "preflight/synthetic", "model", "attention", "objective", "target"),
+        # The warmup process runs the training step (dflash.step), not the training loop (dflash.train).
+        package("preflight/__init__", "preflight/verdict", "preflight/warmup", "preflight/synthetic", "step", "model", "attention", "objective", "target"),
         rules.smoke_imports.output,
         manifest=rules.prepare_target.output[0],
     output:

@@ -3,7 +3,7 @@
 
 rule train:
     input:
-        package("target", "data", "model", "attention", "objective", "train", "tracking"),
+        package("train"),
         manifest=rules.prepare_target.output[0],
         samples=rules.prepare_data.output.samples,
         preflight=[

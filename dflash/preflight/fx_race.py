@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 import torch
 

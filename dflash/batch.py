@@ -1,0 +1,142 @@
+"""What a training step trains on: the sample order, the global batch of each step, and a rank's padded batch.
+
+The order is a function of the seed and the epoch only, and every random draw
+of a sample (its anchors, its sampled loss positions) a function of the seed,
+the epoch and the sample's index: a run sees the same batches whatever the
+topology, and a resumed run the same as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+
+from dflash.config import TrainConfig
+from dflash.model import DFlashConfig
+from dflash.objective import Blocks, build_blocks, sample_anchors, sample_positions
+
+
+def seeded_generator(*parts: int) -> torch.Generator:
+    """A CPU generator seeded by a hash of ``parts``: independent streams for (seed, epoch, sample, ...)."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
+    """The order samples are seen in an epoch: a function of the seed and the epoch only, never of the topology."""
+    return torch.randperm(num_samples, generator=seeded_generator(seed, epoch)).tolist()
+
+
+def global_batches(num_samples: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """Sample indices of each optimizer step of an epoch; the last partial batch is kept."""
+    order = epoch_order(num_samples, seed, epoch)
+    return [order[i : i + batch_size] for i in range(0, num_samples, batch_size)]
+
+
+def rank_slice(batch: list[int], rank: int, world: int) -> list[int]:
+    """A data-parallel rank's share of a global batch (strided, so shares differ by at most one sample)."""
+    return batch[rank::world]
+
+
+@functools.lru_cache(maxsize=2)  # the current epoch, and the next one that prefetching reaches into
+def _epoch_batches(num_samples: int, batch_size: int, seed: int, epoch: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(map(tuple, global_batches(num_samples, batch_size, seed, epoch)))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The steps of a run and the global batch of each; the data position of a checkpoint is its step."""
+
+    num_samples: int
+    batch_size: int
+    seed: int
+    total: int  # optimizer steps of the whole run
+
+    @classmethod
+    def for_run(cls, num_samples: int, cfg: TrainConfig, seed: int, max_steps: int | None = None) -> Schedule:
+        total = math.ceil(num_samples / cfg.batch_size) * cfg.epochs
+        return cls(num_samples, cfg.batch_size, seed, total if max_steps is None else min(max_steps, total))
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.num_samples / self.batch_size)
+
+    def epoch(self, step: int) -> int:
+        return step // self.steps_per_epoch
+
+    def batch(self, step: int) -> list[int]:
+        epoch, index = divmod(step, self.steps_per_epoch)
+        return list(_epoch_batches(self.num_samples, self.batch_size, self.seed, epoch)[index])
+
+
+def pad_rows(rows: list, pad_value: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad integer rows into ``[b, S]`` with an attention mask."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_value, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [b, S]
+    loss_mask: torch.Tensor  # [b, S] bool
+    features: torch.Tensor  # [b, S, K*H]
+    anchors: torch.Tensor  # [b, A]
+    valid: torch.Tensor  # [b, A]
+    blocks: Blocks
+    weight_total: torch.Tensor  # the loss normaliser: the decay weights' sum before any position sampling
+    indices: list[int] = field(default_factory=list)  # the samples of the rows (none for an idle rank's placeholder)
+
+
+def make_batch(
+    samples: pd.DataFrame,
+    indices: list[int],
+    features: list[torch.Tensor],
+    config: DFlashConfig,
+    max_anchors: int,
+    gamma: float,
+    seed: int,
+    epoch: int,
+    sample_loss_positions: bool = False,
+) -> Batch:
+    """Pad the samples and draw their anchors (and sampled loss positions); all randomness of a
+    sample depends on (seed, epoch, sample index) only, never on the batch or the topology."""
+    ids, _ = pad_rows([samples["input_ids"].iloc[i] for i in indices], pad_value=0)
+    loss_mask, _ = pad_rows([samples["loss_mask"].iloc[i] for i in indices], pad_value=0)
+    loss_mask = loss_mask.bool()
+    width = ids.shape[1]
+    # On the features' device: online features stay on the GPU they were computed on.
+    feats = features[0].new_zeros(len(indices), width, features[0].shape[-1], dtype=torch.float32)
+    anchors, valid = [], []
+    for row, (i, f) in enumerate(zip(indices, features)):
+        feats[row, : f.shape[0]] = f
+        length = len(samples["input_ids"].iloc[i])
+        a, v = sample_anchors(loss_mask[row : row + 1, :length], max_anchors, seeded_generator(seed, epoch, i))
+        anchors.append(a)
+        valid.append(v)
+    anchors, valid = torch.cat(anchors), torch.cat(valid)
+    blocks = build_blocks(ids, loss_mask, anchors, valid, config.block_size, config.mask_token_id, gamma)
+    weight_total = blocks.weights.sum()
+    if sample_loss_positions:
+        blocks.weights = torch.cat([sample_positions(w[None], seeded_generator(seed, epoch, i, 1)) for i, w in zip(indices, blocks.weights)])
+    return Batch(ids, loss_mask, feats, anchors, valid, blocks, weight_total, list(indices))
+
+
+def idle_batch(samples: pd.DataFrame, stand_in: int, width: int, config: DFlashConfig, max_anchors: int, gamma: float) -> Batch:
+    """A drafter rank with no sample in a step (a global batch smaller than the drafter ranks, at an
+    epoch's end) still runs the step, because every rank must join the gradient all-reduce: one
+    stand-in row with zero weight, which adds nothing to the loss or the gradient."""
+    length = len(samples["input_ids"].iloc[stand_in])
+    batch = make_batch(samples, [stand_in], [torch.zeros(length, width)], config, max_anchors, gamma, seed=0, epoch=0)
+    batch.blocks.weights.zero_()
+    return dataclasses.replace(batch, weight_total=torch.zeros(()), indices=[])

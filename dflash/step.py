@@ -1,0 +1,98 @@
+"""What one training step is: the drafter's config for a target, its compiled forward, the loss, the update.
+
+Training (``dflash.train``) and the compile-cache warmup
+(``dflash.preflight.warmup``) both run ``train_step`` on a drafter from
+``compile_drafter``, so that the graphs the warmup compiles are the graphs
+training runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx.experimental._config as fx_config
+
+from dflash.attention import build_training_mask
+from dflash.batch import Batch
+from dflash.config import DrafterConfig, TrainConfig
+from dflash.distributed import Layout, all_reduce_sum
+from dflash.model import DFlashConfig, DFlashDrafter
+from dflash.objective import FrozenHeadCrossEntropy, position_accuracy
+from dflash.target import Target
+
+
+def drafter_config_for(target: Target, cfg: DrafterConfig) -> DFlashConfig:
+    """The drafter's shape for ``target`` (the config's ``drafter`` section; the mask token defaults to an unused special token)."""
+    options = dataclasses.asdict(cfg)
+    if options["mask_token_id"] is None:
+        options["mask_token_id"] = target.default_mask_token_id()
+    return DFlashConfig.for_target(target.config, **options)
+
+
+def compile_drafter(drafter: DFlashDrafter, enabled: bool):
+    """The drafter's forward as training runs it: compiled with dynamic shapes (sequence lengths vary per batch)."""
+    if not enabled:
+        return drafter
+    # Without duck shaping, two dimensions that happen to be equal in one batch (rows = block size, say)
+    # are not tied into one symbol, which would make a later batch fail the guard and compile cold.
+    fx_config.use_duck_shape = False
+    return torch.compile(drafter, dynamic=True)
+
+
+def drafter_loss(drafter_forward, target: Target, batch: Batch, attention_backend: str, head_chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decayed loss of one batch; also per-position correct and counted predictions."""
+    device = target.device
+    blocks = batch.blocks
+    block_size = blocks.input_ids.shape[1] // batch.anchors.shape[1]
+    mask = build_training_mask(batch.anchors.to(device), batch.valid.to(device), batch.input_ids.shape[1], block_size, attention_backend)
+    with torch.no_grad():
+        block_embeddings = target.embed(blocks.input_ids.to(device))
+    context_positions = torch.arange(batch.input_ids.shape[1], device=device).expand(batch.input_ids.shape[0], -1)
+    hidden = drafter_forward(batch.features.to(device), block_embeddings, context_positions, blocks.positions.to(device), mask)
+    weights = blocks.weights.to(device).flatten()
+    rows = weights.nonzero().squeeze(1)
+    loss, predictions = FrozenHeadCrossEntropy.apply(
+        hidden.flatten(0, 1)[rows],
+        target.lm_head.weight,
+        blocks.labels.to(device).flatten()[rows],
+        weights[rows],
+        batch.weight_total.to(device),
+        head_chunk,
+    )
+    all_predictions = torch.full_like(weights, -1, dtype=torch.long)
+    all_predictions[rows] = predictions
+    correct, counted = position_accuracy(all_predictions.view_as(blocks.labels), blocks.labels.to(device), blocks.weights.to(device), block_size)
+    return loss, correct, counted
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast on GPU (fp32 master weights), none on CPU, unless the config says otherwise."""
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def normalise_globally(batch: Batch, layout: Layout) -> None:
+    """Divide every rank's weighted loss by the weight total of the whole global batch, times the
+    drafter ranks because DDP and FSDP average gradients over ranks: the data-parallel gradient is
+    then the one-process gradient of the global batch, whatever the topology."""
+    total = all_reduce_sum(batch.weight_total.to(layout.device, torch.float32), layout)
+    batch.weight_total = total / layout.drafter_world
+
+
+def train_step(forward, drafter: torch.nn.Module, optimizer, target: Target, batch: Batch, cfg: TrainConfig):
+    """One optimizer step: loss, backward, clipping, update.
+
+    ``forward`` is the (compiled) drafter, wrapped in DDP when several ranks
+    train: its backward then leaves every rank with the averaged gradient.
+    """
+    device = target.device
+    dtype = autocast_dtype(cfg.precision, device)
+    with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        loss, correct, counted = drafter_loss(forward, target, batch, cfg.attention_backend, cfg.head_chunk)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
+    optimizer.step()
+    return loss, correct, counted, grad_norm
