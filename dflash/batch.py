@@ -4,6 +4,10 @@ The order is a function of the seed and the epoch only, and every random draw
 of a sample (its anchors, its sampled loss positions) a function of the seed,
 the epoch and the sample's index: a run sees the same batches whatever the
 topology, and a resumed run the same as an uninterrupted one.
+
+Rows are padded to a multiple of ``train.pad_multiple``, so that a run's batches
+take a few shapes that ``step_shapes`` lists in advance: the compile-cache
+warmup compiles each of them.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 
 from dflash.config import TrainConfig
 from dflash.model import DFlashConfig
-from dflash.objective import Blocks, build_blocks, sample_anchors, sample_positions
+from dflash.objective import Blocks, build_blocks, default_gamma, sample_anchors, sample_positions
 
 
 def seeded_generator(*parts: int) -> torch.Generator:
@@ -75,9 +79,14 @@ class Schedule:
         return list(_epoch_batches(self.num_samples, self.batch_size, self.seed, epoch)[index])
 
 
-def pad_rows(rows: list, pad_value: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad integer rows into ``[b, S]`` with an attention mask."""
-    width = max(len(r) for r in rows)
+def padded_length(length: int, multiple: int) -> int:
+    """``length`` rounded up to a multiple of ``multiple``."""
+    return -(-length // multiple) * multiple
+
+
+def pad_rows(rows: list, pad_value: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad integer rows into ``[b, S]`` with an attention mask; ``S`` is the longest row rounded up to ``multiple``."""
+    width = padded_length(max(len(r) for r in rows), multiple)
     ids = torch.full((len(rows), width), pad_value, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
@@ -98,21 +107,11 @@ class Batch:
     indices: list[int] = field(default_factory=list)  # the samples of the rows (none for an idle rank's placeholder)
 
 
-def make_batch(
-    samples: pd.DataFrame,
-    indices: list[int],
-    features: list[torch.Tensor],
-    config: DFlashConfig,
-    max_anchors: int,
-    gamma: float,
-    seed: int,
-    epoch: int,
-    sample_loss_positions: bool = False,
-) -> Batch:
+def make_batch(samples: pd.DataFrame, indices: list[int], features: list[torch.Tensor], config: DFlashConfig, cfg: TrainConfig, seed: int, epoch: int) -> Batch:
     """Pad the samples and draw their anchors (and sampled loss positions); all randomness of a
     sample depends on (seed, epoch, sample index) only, never on the batch or the topology."""
-    ids, _ = pad_rows([samples["input_ids"].iloc[i] for i in indices], pad_value=0)
-    loss_mask, _ = pad_rows([samples["loss_mask"].iloc[i] for i in indices], pad_value=0)
+    ids, _ = pad_rows([samples["input_ids"].iloc[i] for i in indices], pad_value=0, multiple=cfg.pad_multiple)
+    loss_mask, _ = pad_rows([samples["loss_mask"].iloc[i] for i in indices], pad_value=0, multiple=cfg.pad_multiple)
     loss_mask = loss_mask.bool()
     width = ids.shape[1]
     # On the features' device: online features stay on the GPU they were computed on.
@@ -121,22 +120,38 @@ def make_batch(
     for row, (i, f) in enumerate(zip(indices, features)):
         feats[row, : f.shape[0]] = f
         length = len(samples["input_ids"].iloc[i])
-        a, v = sample_anchors(loss_mask[row : row + 1, :length], max_anchors, seeded_generator(seed, epoch, i))
+        a, v = sample_anchors(loss_mask[row : row + 1, :length], cfg.max_anchors, seeded_generator(seed, epoch, i))
         anchors.append(a)
         valid.append(v)
     anchors, valid = torch.cat(anchors), torch.cat(valid)
+    gamma = cfg.gamma or default_gamma(config.block_size)
     blocks = build_blocks(ids, loss_mask, anchors, valid, config.block_size, config.mask_token_id, gamma)
     weight_total = blocks.weights.sum()
-    if sample_loss_positions:
+    if cfg.sample_loss_positions:
         blocks.weights = torch.cat([sample_positions(w[None], seeded_generator(seed, epoch, i, 1)) for i, w in zip(indices, blocks.weights)])
     return Batch(ids, loss_mask, feats, anchors, valid, blocks, weight_total, list(indices))
 
 
-def idle_batch(samples: pd.DataFrame, stand_in: int, width: int, config: DFlashConfig, max_anchors: int, gamma: float) -> Batch:
+def idle_batch(samples: pd.DataFrame, stand_in: int, width: int, config: DFlashConfig, cfg: TrainConfig) -> Batch:
     """A drafter rank with no sample in a step (a global batch smaller than the drafter ranks, at an
     epoch's end) still runs the step, because every rank must join the gradient all-reduce: one
     stand-in row with zero weight, which adds nothing to the loss or the gradient."""
     length = len(samples["input_ids"].iloc[stand_in])
-    batch = make_batch(samples, [stand_in], [torch.zeros(length, width)], config, max_anchors, gamma, seed=0, epoch=0)
+    batch = make_batch(samples, [stand_in], [torch.zeros(length, width)], config, cfg, seed=0, epoch=0)
     batch.blocks.weights.zero_()
     return dataclasses.replace(batch, weight_total=torch.zeros(()), indices=[])
+
+
+def step_shapes(lengths: list[int], cfg: TrainConfig, drafter_world: int) -> list[tuple[int, int]]:
+    """Every (rows, padded length) a drafter rank's batch can take in a run over samples of these lengths,
+    whatever the seed and the epochs: what the compile-cache warmup must compile. Full batches first.
+
+    A rank's rows are its share of a full global batch or of an epoch's last, smaller one (an empty share
+    runs one stand-in row); the padded length of ``r`` rows is that of any sample at least as long as the
+    ``r``-th shortest, since the longest of them sets it.
+    """
+    count = len(lengths)
+    global_sizes = {min(cfg.batch_size, count)} | ({count % cfg.batch_size} if count > cfg.batch_size and count % cfg.batch_size else set())
+    rows = {max(1, len(range(rank, size, drafter_world))) for size in global_sizes for rank in range(drafter_world)}
+    ordered = sorted(lengths)
+    return [(r, length) for r in sorted(rows, reverse=True) for length in sorted({padded_length(n, cfg.pad_multiple) for n in ordered[r - 1 :]})]

@@ -123,7 +123,7 @@ def repro_fx_race(args, s) -> None:
 def warmup_cache(args, s) -> None:
     from dflash.preflight.warmup import warmup_cache as run
 
-    _finish(run(args.device, args.target_manifest, s["drafter"], s["train"], s["topology"], args.cache_dir), args.out)
+    _finish(run(args.device, args.target_manifest, args.samples, s["drafter"], s["train"], s["topology"], args.cache_dir), args.out)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,7 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add(sub, "repro-fx-race", "reproduce the torch.compile FX-tracing race and verify its mitigation", repro_fx_race, preflight, ["out"])
     sections = {"drafter": C.DrafterConfig, "train": C.TrainConfig, "topology": C.TopologyConfig}
     p = _add(
-        sub, "warmup-cache", "compile the drafter's training step into a persistent cache", warmup_cache, sections, ["target_manifest", "cache_dir", "out"]
+        sub,
+        "warmup-cache",
+        "compile the drafter's training step into a persistent cache",
+        warmup_cache,
+        sections,
+        ["target_manifest", "samples", "cache_dir", "out"],
     )
     p.add_argument("--device", required=True, help="the drafter device: cpu, or cudaN")
     return parser

@@ -4,6 +4,10 @@ Each section is a dataclass; a stage receives only its own sections, so a
 change elsewhere never invalidates it. Unknown keys and wrong types are
 rejected with the dotted key that is wrong. Defaults live here, once; the
 JSON schema under ``workflow/schemas`` checks the same keys at workflow start.
+
+Scalars given as text are parsed as the type their key declares, where the
+text says so unambiguously: Snakemake hands nested command-line values
+(``--config "train={'lr': 0.002}"``) over as strings.
 """
 
 from __future__ import annotations
@@ -11,10 +15,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from dflash.errors import ConfigError
@@ -82,6 +89,7 @@ class TrainConfig:
     compile: bool = True
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     head_chunk: int = 2048  # rows per LM-head chunk in the loss
+    pad_multiple: int = 64  # padded sequence lengths are multiples of this: a run compiles a few shapes, all warmed in advance
     checkpoint_every: int = 200  # optimizer steps between resumable checkpoints
     log_every: int = 10
 
@@ -166,9 +174,26 @@ class Config:
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
 
 
+_NULL_TEXTS = ("null", "Null", "NULL", "~")
+
+
+def _from_text(text: str, kind: type, key: str) -> Any:
+    """A bool, int or float written as text: ``true``/``false``, ``12``, ``2e-3``; anything else is an error."""
+    stripped = text.strip()
+    if kind is bool and stripped.lower() in ("true", "false"):
+        return stripped.lower() == "true"
+    if kind is int and re.fullmatch(r"[+-]?\d+", stripped):
+        return int(stripped)
+    if kind is float and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", stripped) and math.isfinite(float(stripped)):
+        return float(stripped)
+    raise ConfigError(f"{key}: expected {kind.__name__}, got str {text!r}")
+
+
 def _check_scalar(value: Any, kind: Any, key: str) -> Any:
     if kind is Any:
         return value
+    if isinstance(value, str) and kind in (bool, int, float):
+        return _from_text(value, kind, key)
     if typing.get_origin(kind) is Literal:
         allowed = typing.get_args(kind)
         if value not in allowed:
@@ -187,6 +212,8 @@ def _build(kind: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(kind)
     if origin in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(kind) if a is not type(None)]
+        if isinstance(value, str) and value in _NULL_TEXTS and len(options) < len(typing.get_args(kind)):
+            value = None
         if value is None:
             if len(options) == len(typing.get_args(kind)):
                 raise ConfigError(f"{key}: must not be null")
@@ -243,6 +270,7 @@ def _check_ranges(c: Config) -> None:
         "train.batch_size": (c.train.batch_size, 1),
         "train.max_anchors": (c.train.max_anchors, 1),
         "train.head_chunk": (c.train.head_chunk, 1),
+        "train.pad_multiple": (c.train.pad_multiple, 1),
         "train.checkpoint_every": (c.train.checkpoint_every, 1),
         "train.log_every": (c.train.log_every, 1),
         "topology.nnodes": (c.topology.nnodes, 1),
@@ -275,6 +303,33 @@ def _check_ranges(c: Config) -> None:
     names = [s.name for s in c.eval.sets]
     if len(set(names)) != len(names):
         raise ConfigError(f"eval.sets: set names must be unique, got {names}")
+
+
+LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".gguf")
+
+
+def local_path(source: str) -> Path | None:
+    """The local file or directory a prompt or target source names, or ``None`` for a Hugging Face hub id.
+
+    A source is local when it exists, starts like a path (``.``, ``/``, ``~``), has more than one ``/``
+    or a data or GGUF file suffix; a hub id is ``owner/name``.
+    """
+    path = Path(source).expanduser()
+    if path.exists() or source.startswith((".", "/", "~")) or source.count("/") > 1 or path.suffix in LOCAL_SUFFIXES:
+        return path
+    return None
+
+
+def check_local_sources(c: Config) -> None:
+    """Every local prompt, evaluation or target source exists: checked before any job runs."""
+    sources = {"target.source": c.target.source, "data.prompts.source": c.data.prompts.source}
+    sources |= {f"eval.sets[{i}].source": s.source for i, s in enumerate(c.eval.sets)}
+    for key, source in sources.items():
+        if source in ("embedded", "heldout", "humaneval"):
+            continue
+        path = local_path(source)
+        if path is not None and not path.exists():
+            raise ConfigError(f"{key}: {source!r} is a local path that does not exist ({path.resolve()}); fix the path, or name a hub id (owner/name)")
 
 
 def to_dict(section: Any) -> Any:

@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from dflash.config import DataConfig, GenerationConfig
+from dflash.config import DataConfig, GenerationConfig, local_path
 from dflash.errors import InputError, MissingInputError
 from dflash.target import Target
 
@@ -57,15 +57,15 @@ def _records(source: str, split: str) -> list[dict]:
         return [json.loads(line) for line in text.splitlines() if line.strip()]
     import datasets
 
-    path = Path(source).expanduser()
-    if path.exists():
-        kinds = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-        if path.suffix not in kinds:
-            raise InputError(f"data.prompts.source {source!r}: unsupported file type {path.suffix!r}; use one of {sorted(kinds)}")
-        return list(datasets.load_dataset(kinds[path.suffix], data_files=str(path), split="train"))
-    if source.startswith((".", "/", "~")):
+    path = local_path(source)
+    if path is None:  # a hub dataset id
+        return list(datasets.load_dataset(source, split=split))
+    if not path.exists():
         raise MissingInputError(f"data.prompts.source {source!r}: no such file")
-    return list(datasets.load_dataset(source, split=split))
+    kinds = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+    if path.suffix not in kinds:
+        raise InputError(f"data.prompts.source {source!r}: unsupported file type {path.suffix!r}; use one of {sorted(kinds)}")
+    return list(datasets.load_dataset(kinds[path.suffix], data_files=str(path), split="train"))
 
 
 def load_conversations(source: str, split: str = "train", limit: int | None = None) -> list[Conversation]:

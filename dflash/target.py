@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.config import local_path
 from dflash.errors import InputError, MissingInputError, PreflightError
 from dflash.io import atomic_path, atomic_write_text
 
@@ -122,18 +123,18 @@ def resolve_source(source: str) -> str:
     """A loadable model path or hub id for a configured ``target.source``."""
     if source == EMBEDDED:
         return str(embedded_target_dir())
-    path = Path(source).expanduser()
+    path = local_path(source)
+    if path is None:
+        return source  # a hub id, resolved by transformers (and its cache)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise MissingInputError(f"target.source {source!r}: no such GGUF file")
         return str(gguf_target_dir(path))
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise MissingInputError(f"target.source {source!r} is a path but holds no config.json: not a transformers model directory")
-        return str(path)
-    if source.startswith((".", "/", "~")) or source.count("/") > 1:
+    if not path.exists():
         raise MissingInputError(f"target.source {source!r}: no such directory")
-    return source  # a hub id, resolved by transformers (and its cache)
+    if not (path / "config.json").is_file():
+        raise MissingInputError(f"target.source {source!r} is a path but holds no config.json: not a transformers model directory")
+    return str(path)
 
 
 @dataclass

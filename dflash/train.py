@@ -25,14 +25,13 @@ import torch
 from tqdm.auto import tqdm
 
 from dflash import distributed
-from dflash.batch import Schedule, idle_batch, make_batch, rank_slice
+from dflash.batch import Schedule, idle_batch, make_batch, rank_slice, step_shapes
 from dflash.checkpoint import Progress, load_checkpoint, resume_point, save_checkpoint, save_drafter
-from dflash.compile_cache import log_compile_cache_hits, use_warm_cache
+from dflash.compile_cache import compile_cache_hits, log_compile_cache_hits, use_warm_cache
 from dflash.config import DrafterConfig, TrainConfig
 from dflash.distributed import Layout, all_reduce_sum
 from dflash.features import CachedFeatures, HiddenStateCache, Meter, OnlineFeatures, ReceivedFeatures, serve_features, total_rate
 from dflash.model import DFlashConfig, DFlashDrafter
-from dflash.objective import default_gamma
 from dflash.step import compile_drafter, drafter_config_for, normalise_globally, train_step
 from dflash.target import Target
 
@@ -49,7 +48,8 @@ class TrainResult:
     first_step_seconds: float  # the first step alone: compiling (or loading compiled graphs) and warming up
     target_tokens_per_second: float  # hidden states: tokens per second of target forward, summed over the ranks that run it
     world: int  # processes
-    compile_cache: dict  # hits and misses after the first step: misses mean the warmup did not cover a graph
+    threads: int  # intra-op threads per process
+    compile_cache: dict  # hits and misses of the whole run: a miss is a graph the warmup did not compile
 
 
 @dataclass(frozen=True)
@@ -66,10 +66,6 @@ class RunContext:
     out_dir: Path
     metrics_path: Path
     tracker: object | None = None
-
-    @property
-    def gamma(self) -> float:
-        return self.cfg.gamma or default_gamma(self.config.block_size)
 
     @property
     def feature_width(self) -> int:
@@ -118,7 +114,7 @@ def train_drafter(
     run = RunContext(target, samples, config, cfg, schedule, layout, checkpoint_dir, out_dir, metrics_path, tracker)
     first, checkpoint = resume_point(checkpoint_dir, layout)
     meter, start = Meter(), time.perf_counter()
-    idle = TrainResult(schedule.total, first, float("nan"), 0.0, 0.0, 0.0, 0.0, layout.world, {})  # a target rank's
+    idle = TrainResult(schedule.total, first, float("nan"), 0.0, 0.0, 0.0, 0.0, layout.world, torch.get_num_threads(), {})  # a target rank's
     # The target's throughput is summed over the ranks where its work ends: once the cache is built (every rank
     # builds a shard; split target ranks then leave), or after an online run.
     if cfg.hidden_states == "cache":
@@ -158,7 +154,7 @@ def _train(run: RunContext, source, first: int, checkpoint: Path | None) -> Trai
         run.metrics_path.unlink(missing_ok=True)
         for row in progress.rows:
             write_metrics_row(run.metrics_path, row)
-    start, tokens_seen, loss_value, compile_cache = time.perf_counter(), 0, float("nan"), {}
+    start, tokens_seen, loss_value = time.perf_counter(), 0, float("nan")
     first_step_seconds, steady = 0.0, (start, 0)  # throughput is measured from the end of the first step
     with tqdm(total=schedule.total, initial=first, desc="training drafter", unit="step", disable=not layout.is_main) as bar:
         for step in range(first, schedule.total):
@@ -166,9 +162,9 @@ def _train(run: RunContext, source, first: int, checkpoint: Path | None) -> Trai
             share = rank_slice(global_batch, layout.rank, layout.drafter_world)
             rows = source(step, share)
             if share:
-                batch = make_batch(run.samples, share, rows, config, cfg.max_anchors, run.gamma, schedule.seed, epoch, cfg.sample_loss_positions)
+                batch = make_batch(run.samples, share, rows, config, cfg, schedule.seed, epoch)
             else:
-                batch = idle_batch(run.samples, global_batch[0], run.feature_width, config, cfg.max_anchors, run.gamma)
+                batch = idle_batch(run.samples, global_batch[0], run.feature_width, config, cfg)
             normalise_globally(batch, layout)
             loss, correct, counted, grad_norm = train_step(forward, drafter, optimizer, run.target, batch, cfg)
             scheduler.step()
@@ -185,7 +181,7 @@ def _train(run: RunContext, source, first: int, checkpoint: Path | None) -> Trai
             if step == first:
                 first_step_seconds, steady = elapsed, (time.perf_counter(), tokens_seen)
                 if cfg.compile:
-                    compile_cache = log_compile_cache_hits(log)
+                    log_compile_cache_hits(log)
             if done % cfg.log_every == 0 or done == schedule.total:
                 acc = (progress.correct / progress.counted.clamp(min=1)).tolist()
                 row = {
@@ -221,7 +217,8 @@ def _train(run: RunContext, source, first: int, checkpoint: Path | None) -> Trai
         first_step_seconds=first_step_seconds,
         target_tokens_per_second=0.0,
         world=layout.world,
-        compile_cache=compile_cache,
+        threads=torch.get_num_threads(),
+        compile_cache=compile_cache_hits() if cfg.compile else {},
     )
 
 
@@ -238,14 +235,18 @@ def run_train_stage(sections: dict, args) -> TrainResult:
     # An error on one rank ends its process; torchrun then stops the others, so no rank waits for it.
     layout = distributed.init(topology)
     verdicts = check_preflight(args.preflight, topology)
+    samples = read_samples(args.samples)
     if sections["train"].compile and layout.is_drafter:
         warmup = verdicts.get(f"warmup_cache/{device_name(topology.device, layout.local_rank)}")
         if warmup is None:
             log.warning("no compile-cache warmup for this device: the first training step compiles cold")
         else:
             use_warm_cache(warmup)
+            shapes = step_shapes([len(ids) for ids in samples["input_ids"]], sections["train"], layout.drafter_world)
+            cold = sorted(set(shapes) - {tuple(shape) for shape in warmup["shapes"]})
+            if cold:
+                log.warning("the warmup did not compile %d batch shape(s) (rows, length) of this run: %s; those compile cold", len(cold), cold[:8])
     target = load_from_manifest(args.target_manifest, device=layout.device)
-    samples = read_samples(args.samples)
     run_config = {key: json.loads(canonical_json(value)) for key, value in sections.items()} | {"seed": args.seed}
     fingerprint = config_hash(run_config | {"samples": HiddenStateCache.cache_key(samples, target.source, [])})
     out_dir = Path(args.out_dir)

@@ -6,7 +6,7 @@ import jsonschema
 import pytest
 import yaml
 
-from dflash.config import Config, ConfigError, canonical_json, load_config
+from dflash.config import Config, ConfigError, canonical_json, check_local_sources, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = yaml.safe_load((ROOT / "workflow" / "schemas" / "config.schema.yaml").read_text())
@@ -33,12 +33,60 @@ def test_empty_config_takes_every_default():
         ({"topology": {"kind": "split", "nproc_per_node": 8, "target_ranks": 8}}, "topology.target_ranks"),
         ({"topology": {"target_ranks": 2}}, "topology.target_ranks"),
         ({"bogus": 1}, "bogus"),
+        # Text from the command line that does not parse as the declared type.
+        ({"train": {"epochs": "3.5"}}, "train.epochs"),
+        ({"train": {"compile": "yes"}}, "train.compile"),
+        ({"train": {"lr": "nan"}}, "train.lr"),
+        ({"drafter": {"layer_ids": ["1", "x"]}}, "drafter.layer_ids"),
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(raw, key):
     with pytest.raises(ConfigError) as err:
         load_config(raw)
     assert str(err.value).startswith(key), str(err.value)
+
+
+@pytest.mark.parametrize(
+    "raw, dotted, expected",
+    [
+        ({"train": {"epochs": "3"}}, "train.epochs", 3),
+        ({"train": {"lr": "0.002"}}, "train.lr", 0.002),
+        ({"train": {"lr": "6.0e-4"}}, "train.lr", 6e-4),
+        ({"train": {"lr": "1"}}, "train.lr", 1.0),
+        ({"train": {"compile": "false"}}, "train.compile", False),
+        ({"train": {"sample_loss_positions": "True"}}, "train.sample_loss_positions", True),
+        ({"drafter": {"layer_ids": ["1", "4", "7"]}}, "drafter.layer_ids", [1, 4, 7]),
+        ({"eval": {"block_size": "null"}}, "eval.block_size", None),
+        ({"topology": {"device": "cuda"}}, "topology.device", "cuda"),
+    ],
+)
+def test_text_from_the_command_line_takes_the_declared_type(raw, dotted, expected):
+    """Snakemake hands nested --config values over as strings (YAML's base loader): "train={'lr': 0.002}" gives '0.002'."""
+    value = load_config(raw)
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    assert value == expected and type(value) is type(expected)
+
+
+def test_missing_local_sources_are_named(tmp_path):
+    cases = [
+        ({"data": {"prompts": {"source": str(tmp_path / "prompts.jsonl")}}}, "data.prompts.source"),
+        ({"eval": {"sets": [{"name": "x", "source": "./gone/prompts.jsonl"}]}}, "eval.sets[0].source"),
+        ({"target": {"source": str(tmp_path / "model-dir")}}, "target.source"),
+        ({"target": {"source": "weights/model.gguf"}}, "target.source"),
+    ]
+    for raw, key in cases:
+        with pytest.raises(ConfigError) as err:
+            check_local_sources(load_config(raw))
+        assert str(err.value).startswith(f"{key}: ") and "does not exist" in str(err.value), str(err.value)
+
+
+def test_hub_ids_and_existing_local_sources_pass(tmp_path):
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    sets = [{"name": "mine", "source": str(tmp_path / "prompts.jsonl")}, {"name": "code", "source": "humaneval"}, {"name": "chat", "source": "heldout"}]
+    raw = {"target": {"source": "Qwen/Qwen3-8B"}, "data": {"prompts": {"source": "HuggingFaceH4/ultrachat_200k"}}, "eval": {"sets": sets}}
+    check_local_sources(load_config(raw))
+    check_local_sources(load_config({}))  # the embedded default
 
 
 def test_ints_are_accepted_where_floats_are_expected():

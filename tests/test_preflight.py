@@ -14,15 +14,18 @@ import threading
 import pytest
 import torch
 
+from dflash.batch import global_batches, padded_length, rank_slice, step_shapes
 from dflash.cli import main
 from dflash.compile_cache import use_warm_cache
-from dflash.config import PreflightConfig, TopologyConfig, TrainConfig
+from dflash.config import PreflightConfig, TopologyConfig, TrainConfig, cpu_threads
+from dflash.errors import PreflightError
 from dflash.preflight.env_check import env_check, supported_ranges
 from dflash.preflight.fx_race import fx_race_safe, fx_tracing_flag
-from dflash.preflight.gate import PROCESSES, THREADS, execution_is_safe
+from dflash.preflight.gate import PROCESSES, THREADS, check_preflight, execution_is_safe
+from dflash.preflight.race import Deterministic, RaceVerdict, Trials, judge
 from dflash.preflight.smoke_imports import import_lines, smoke_imports
 from dflash.preflight.verdict import Verdict, read_verdict, write_verdict
-from dflash.preflight.warmup import _device_env, batch_rows
+from dflash.preflight.warmup import _device_env, drafter_world
 
 # The flag became thread-local after 2.13 (pytorch PR #168999); up to 2.13 the deterministic race must reproduce.
 RACY_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) <= (2, 13)
@@ -176,6 +179,43 @@ def test_execution_is_safe():
     assert not safe and "rerun the repro_fx_race stage" in why
 
 
+def _race_verdict(path, reproduced: bool = True, mitigated_errors: int = 0, shared_flag: bool = True):
+    """A race verdict judged from given experiment results, written as the stage writes it."""
+    verdict = RaceVerdict(shared_flag=shared_flag, deterministic=Deterministic(reproduced=reproduced), mitigated=Trials(trials=3, errors=mitigated_errors))
+    judge(verdict)
+    verdict.summarize("a test verdict")
+    write_verdict(verdict, path)
+    return verdict
+
+
+def test_a_failed_mitigation_blocks_only_threaded_training(tmp_path, caplog):
+    verdict = _race_verdict(tmp_path / "race.json", mitigated_errors=2)
+    assert verdict.ok and not verdict.mitigation_verified and verdict.safe_for == [PROCESSES]
+    with caplog.at_level("WARNING", logger="dflash.preflight.gate"):
+        check_preflight([tmp_path / "race.json"], TopologyConfig(nproc_per_node=1))  # torchrun: one thread per process
+    assert any("does not hold" in r.message and r.levelname == "WARNING" for r in caplog.records)
+    with pytest.raises(PreflightError, match="FX-tracing race.*threads per process"):
+        check_preflight([tmp_path / "race.json"], TopologyConfig(nproc_per_node=1), threads_per_process=2)
+
+
+def test_a_verified_mitigation_lets_threads_train(tmp_path, caplog):
+    _race_verdict(tmp_path / "race.json")
+    with caplog.at_level("WARNING", logger="dflash.preflight.gate"):
+        verdicts = check_preflight([tmp_path / "race.json"], TopologyConfig(), threads_per_process=2)
+    assert verdicts["repro_fx_race"]["safe_for"] == [PROCESSES, THREADS]
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_broken_reproduction_fails_the_stage_and_stops_training(tmp_path):
+    verdict = _race_verdict(tmp_path / "race.json", reproduced=False)
+    assert not verdict.ok and "the reproduction is broken" in verdict.problems[0]
+    with pytest.raises(PreflightError, match="preflight stage repro_fx_race failed"):
+        check_preflight([tmp_path / "race.json"], TopologyConfig())
+    # A torch whose FX flag is per thread cannot race: nothing to reproduce, threads are safe.
+    per_thread = _race_verdict(tmp_path / "later.json", reproduced=False, shared_flag=False)
+    assert per_thread.ok and per_thread.safe_for == [PROCESSES, THREADS]
+
+
 @pytest.mark.slow
 def test_repro_fx_race_reproduces_and_the_mitigation_holds(tmp_path):
     out = tmp_path / "repro_fx_race.json"
@@ -225,33 +265,47 @@ def test_silent_eager_fallback_is_counted():
 # -- warmup_cache --------------------------------------------------------------------------------------
 
 
-def test_warmup_device_is_pinned(monkeypatch):
-    one_gpu = TopologyConfig(device="cuda")
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    device, env = _device_env("cuda3", one_gpu)
-    assert device == "cuda:0" and env["CUDA_VISIBLE_DEVICES"] == "3"
+def test_warmup_compiles_for_the_device_index_training_uses(monkeypatch):
+    """The device index is in the compiled graphs' cache keys: cudaN compiles for cuda:N, never for a device renumbered by pinning."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    assert _device_env("cuda1", one_gpu)[1]["CUDA_VISIBLE_DEVICES"] == "5"
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6")  # already pinned by the scheduler
-    assert _device_env("cuda1", one_gpu)[1]["CUDA_VISIBLE_DEVICES"] == "6"
+    assert _device_env("cpu")[0] == "cpu"
+    visible = torch.cuda.device_count()
+    if visible > 1:
+        device, env = _device_env("cuda1")
+        assert device == "cuda:1" and env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    with pytest.raises(PreflightError, match=rf"cuda:{visible}, but this job sees {visible} CUDA device"):
+        _device_env(f"cuda{visible}")
     with pytest.raises(ValueError, match="preflight.warmup.devices"):
-        _device_env("gpu0", one_gpu)
+        _device_env("gpu0")
 
 
-def test_warmup_compiles_with_the_threads_of_a_training_process(monkeypatch):
-    """Inductor's CPU kernels are built for a thread count: the warmup's must be training's, not Snakemake's OMP_NUM_THREADS."""
-    monkeypatch.delenv("DFLASH_CPU_THREADS", raising=False)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    cores = len(os.sched_getaffinity(0))
-    assert _device_env("cpu", TopologyConfig())[1]["OMP_NUM_THREADS"] == str(cores)
-    eight_gpus = TopologyConfig(device="cuda", nproc_per_node=8)
-    assert _device_env("cuda0", eight_gpus)[1]["OMP_NUM_THREADS"] == str(max(1, cores // 8))
+def test_drafter_world_counts_the_data_parallel_ranks():
+    assert drafter_world(TopologyConfig()) == 1
+    assert drafter_world(TopologyConfig(nproc_per_node=3)) == 3
+    assert drafter_world(TopologyConfig(kind="split", nnodes=2, nproc_per_node=4, target_ranks=3)) == 5
 
 
-def test_batch_rows_split_the_global_batch_over_drafter_ranks():
-    assert batch_rows(TrainConfig(batch_size=8), TopologyConfig()) == 8
-    assert batch_rows(TrainConfig(batch_size=8), TopologyConfig(nproc_per_node=3)) == 3
-    assert batch_rows(TrainConfig(batch_size=8), TopologyConfig(kind="split", nproc_per_node=4, target_ranks=2)) == 4
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_step_shapes_hold_every_batch_shape_of_any_run(ranks):
+    """Known answers, then brute force: every rank's batch of every epoch, for many seeds, has a listed shape."""
+    lengths = [5, 9, 12, 17, 30, 31]  # padded to 8: 8, 16, 16, 24, 32, 32
+    cfg = TrainConfig(batch_size=4, pad_multiple=8)
+    shapes = step_shapes(lengths, cfg, ranks)
+    expected = {
+        # Full batches of 4 rows: the longest of 4 is at least the 4th shortest (17); the epoch's last batch has 2.
+        1: [(4, 24), (4, 32), (2, 16), (2, 24), (2, 32)],
+        # Shares of 2 and 2, then of 1 and 1.
+        2: [(2, 16), (2, 24), (2, 32), (1, 8), (1, 16), (1, 24), (1, 32)],
+        # Shares of 2, 1, 1, then 1, 1 and an idle rank's one stand-in row.
+        3: [(2, 16), (2, 24), (2, 32), (1, 8), (1, 16), (1, 24), (1, 32)],
+    }[ranks]
+    assert shapes == expected
+    for seed in range(40):
+        for epoch in range(3):
+            for batch in global_batches(len(lengths), cfg.batch_size, seed, epoch):
+                for rank in range(ranks):
+                    share = rank_slice(batch, rank, ranks) or batch[:1]
+                    assert (len(share), padded_length(max(lengths[i] for i in share), 8)) in shapes
 
 
 @pytest.fixture
@@ -275,25 +329,39 @@ def tiny_target_manifest(tmp_path):
 
 @pytest.mark.slow
 def test_warmup_second_start_runs_from_the_cache(tmp_path, tiny_target_manifest, monkeypatch):
-    out, cache = tmp_path / "warmup" / "cpu.json", tmp_path / "compile_cache" / "cpu"
+    from dflash.preflight.synthetic import synthetic_samples
+
+    out, cache, samples = tmp_path / "warmup" / "cpu.json", tmp_path / "compile_cache" / "cpu", tmp_path / "train.parquet"
+    lengths = [20, 37, 45, 61, 90]
+    synthetic_samples(lengths, 128).to_parquet(samples)
+    train = {"batch_size": 2, "max_anchors": 3, "pad_multiple": 32}
+    # Snakemake's OMP_NUM_THREADS under --cores 1: the warmup compiles with the threads training runs with regardless.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("DFLASH_CPU_THREADS", raising=False)
     code = run_cli(
         [
-            "warmup-cache", "--device", "cpu", "--target-manifest", str(tiny_target_manifest),
+            "warmup-cache", "--device", "cpu", "--target-manifest", str(tiny_target_manifest), "--samples", str(samples),
             "--drafter", json.dumps({"num_context_features": 2, "block_size": 4, "mask_token_id": 126}),
-            "--train", json.dumps({"batch_size": 2, "max_anchors": 3}),
-            "--topology", "{}", "--cache-dir", str(cache), "--out", str(out),
+            "--train", json.dumps(train), "--topology", "{}", "--cache-dir", str(cache), "--out", str(out),
         ]
     )  # fmt: skip
     verdict = json.loads(out.read_text())
+    # Every shape of the run, in both processes: 2 rows padded to 64 or 96; the epoch's last batch, 1 row, 32 to 96.
+    assert verdict["shapes"] == [[2, 64], [2, 96], [1, 32], [1, 64], [1, 96]]
+    for label in ("cold", "warm"):
+        assert [[step["rows"], step["length"]] for step in verdict[label]["steps"]] == verdict["shapes"]
+        assert verdict[label]["threads"] == cpu_threads(1)
+    assert verdict["graphs"] >= 2  # a single row is specialised apart from two
+    assert sum(step["graphs_compiled"] for step in verdict["warm"]["steps"]) == verdict["graphs"]
     assert code == 0 and verdict["ok"], verdict["problems"]
     assert verdict["torch_version"] == torch.__version__ and verdict["cache_dir"] == str(cache.resolve())
     assert verdict["cold"]["cache"]["fxgraph_cache_miss"] > 0
     warm = verdict["warm"]["cache"]
     assert warm["fxgraph_cache_hit"] > 0 and warm["autograd_cache_hit"] > 0
     assert warm["fxgraph_cache_miss"] == 0 and warm["autograd_cache_miss"] == 0
-    assert 0 < verdict["warm_seconds"] < verdict["cold_seconds"] < verdict["cold_first_step_seconds"]
+    assert 0 < verdict["warm_seconds"] < verdict["cold_seconds"]
+    assert verdict["cold"]["steps"][0]["compile_seconds"] < verdict["cold_first_step_seconds"]
     assert verdict["speedup"] == pytest.approx(verdict["cold_seconds"] / verdict["warm_seconds"], rel=0.05)
-    assert verdict["graphs"][0] == 1
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     assert use_warm_cache(read_verdict(out, "warmup_cache")) == cache.resolve()

@@ -323,9 +323,13 @@ def test_training_metrics_and_warm_start(e2e, test_config):
     assert metrics["step"].tolist() == list(range(1, steps + 1))  # log_every: 1
     assert {"loss", "grad_norm", "lr", "acc_1", "acc_2", "acc_3"} <= set(metrics.columns)
     assert metrics["loss"].notna().all() and (metrics["loss"] > 0).all()
-    # Training compiled nothing cold: every graph came from the cache warmup_cache filled.
+    # Training compiled nothing cold: every graph of the whole run came from the cache warmup_cache filled,
+    # which warmed in training's conditions (its threads), so that the first step is as fast as the warmup's warm one.
     cache = summary["compile_cache"]
     assert cache["fxgraph_cache_hit"] > 0 and cache["fxgraph_cache_miss"] == 0 and cache["autograd_cache_miss"] == 0, cache
+    warmup = json.loads((results / "preflight" / "warmup" / "cpu.json").read_text())
+    assert summary["threads"] == warmup["warm"]["threads"] == warmup["cold"]["threads"]
+    assert summary["first_step_seconds"] <= 1.5 * warmup["warm_first_step_seconds"], (summary["first_step_seconds"], warmup["warm_first_step_seconds"])
 
 
 @pytest.mark.slow
@@ -426,7 +430,8 @@ DOWNSTREAM_OF_TRAIN = {"train", "evaluate", "report", "all"}
         # A shape of the compiled training step: the warmup too.
         (lambda c: _set(c, "train.max_anchors", 2), {"warmup_cache"} | DOWNSTREAM_OF_TRAIN),
         (lambda c: _set(c, "drafter.num_hidden_layers", 2), {"warmup_cache"} | DOWNSTREAM_OF_TRAIN),
-        (lambda c: _set(c, "data.generation.max_new_tokens", 12), {"prepare_data"} | DOWNSTREAM_OF_TRAIN),
+        # New samples: new batch shapes for the warmup to compile.
+        (lambda c: _set(c, "data.generation.max_new_tokens", 12), {"prepare_data", "warmup_cache"} | DOWNSTREAM_OF_TRAIN),
         (lambda c: _set(c, "preflight.repro_fx_race.trials", 2), {"repro_fx_race"} | DOWNSTREAM_OF_TRAIN),
         (lambda c: _set(c, "target.dtype", "bfloat16"), {"prepare_target", "prepare_data", "warmup_cache"} | DOWNSTREAM_OF_TRAIN),
     ],
@@ -457,6 +462,40 @@ def test_a_change_reruns_only_what_it_invalidates(e2e, change, expected):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        # Nested values arrive as strings: each is parsed as the type its key declares.
+        (["train={'lr': 0.002}"], DOWNSTREAM_OF_TRAIN),
+        # An uncompiled drafter needs no compile-cache warmup.
+        (["train={'compile': 'false', 'epochs': 3}"], DOWNSTREAM_OF_TRAIN),
+        (["eval={'max_new_tokens': 7}", "preflight={'warmup': {'devices': ['cpu']}}"], {"evaluate", "report", "all"}),
+    ],
+    ids=["float", "bool-and-int", "int-and-list"],
+)
+def test_config_overrides_on_the_command_line(e2e, overrides, expected):
+    result = run_snakemake(e2e["workdir"], e2e["env"], "-n", "--config", *overrides, timeout=300)
+    assert jobs(result) == expected, readable(result.output, 120)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["train={'epochs': 'three'}"], "train.epochs: expected int, got str 'three'"),
+        (
+            ["data={'prompts': {'source': '/nonexistent/prompts.jsonl'}}"],
+            "data.prompts.source: '/nonexistent/prompts.jsonl' is a local path that does not exist",
+        ),
+    ],
+    ids=["bad-value", "missing-file"],
+)
+def test_bad_command_line_config_is_named_before_any_job(e2e, overrides, named):
+    result = run_snakemake(e2e["workdir"], e2e["env"], "-n", "--config", *overrides, check=False, timeout=300)
+    assert result.returncode != 0 and named in result.output, readable(result.output)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
     "module, expected",
     [
         ("report", {"report", "all"}),
@@ -465,7 +504,7 @@ def test_a_change_reruns_only_what_it_invalidates(e2e, change, expected):
         # Training state on disk and where hidden states come from: the training loop only, never the preflight stages.
         ("checkpoint", DOWNSTREAM_OF_TRAIN),
         ("features", DOWNSTREAM_OF_TRAIN),
-        ("data", {"prepare_data"} | DOWNSTREAM_OF_TRAIN),
+        ("data", {"prepare_data", "warmup_cache"} | DOWNSTREAM_OF_TRAIN),
         ("preflight/race", {"repro_fx_race"} | DOWNSTREAM_OF_TRAIN),
         # smoke_imports runs the drafter's training step on each attention backend, as warmup_cache and train do.
         ("objective", {"smoke_imports", "repro_fx_race", "warmup_cache"} | DOWNSTREAM_OF_TRAIN),

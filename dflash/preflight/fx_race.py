@@ -55,14 +55,21 @@ def is_fx_race_error(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and RACE_ERROR in str(err)
 
 
+def shared_fx_tracing_flag() -> bool:
+    """Whether this torch keeps the flag the race is about in one module global, shared by all threads
+    (up to 2.13; a later release makes it thread-local, and then threads cannot race on it)."""
+    return isinstance(getattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag", None), bool)
+
+
 def fx_tracing_flag() -> bool:
-    """The process-wide flag the race is about."""
-    return bool(torch.fx._symbolic_trace._is_fx_tracing_flag)
+    """The process-wide flag the race is about (False where this torch has none)."""
+    return shared_fx_tracing_flag() and torch.fx._symbolic_trace._is_fx_tracing_flag
 
 
 def clear_fx_tracing_flag() -> None:
     """Reset a flag left set by interleaved traces (only when no trace is running, e.g. between preflight trials)."""
-    torch.fx._symbolic_trace._is_fx_tracing_flag = False
+    if shared_fx_tracing_flag():
+        torch.fx._symbolic_trace._is_fx_tracing_flag = False
 
 
 def _short_path(filename: str) -> str:

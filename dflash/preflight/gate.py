@@ -65,9 +65,13 @@ def execution_is_safe(verdict: dict, topology: TopologyConfig, threads_per_proce
     )
 
 
-def check_preflight(paths: list[Path], topology: TopologyConfig) -> dict[str, dict]:
+def check_preflight(paths: list[Path], topology: TopologyConfig, threads_per_process: int = 1) -> dict[str, dict]:
     """Training refuses to start unless every preflight verdict says ok and the race verdict says the
-    configured execution is safe. Returns the verdicts by stage (warmups by device)."""
+    configured execution is safe. Returns the verdicts by stage (warmups by device).
+
+    ``threads_per_process`` is how many threads of one process call compiled code: 1 under torchrun,
+    where a mitigation that does not hold on this torch only warrants a warning.
+    """
     verdicts = {}
     for path in paths:
         if not Path(path).is_file():
@@ -75,9 +79,17 @@ def check_preflight(paths: list[Path], topology: TopologyConfig) -> dict[str, di
         stage = json.loads(Path(path).read_text()).get("stage", "?")
         verdict = read_verdict(path, stage) | {"path": str(path)}
         verdicts[f"warmup_cache/{verdict['device']}" if stage == "warmup_cache" else stage] = verdict
-    if "repro_fx_race" in verdicts:
-        safe, reason = execution_is_safe(verdicts["repro_fx_race"], topology, threads_per_process=1)
+    race = verdicts.get("repro_fx_race")
+    if race is not None:
+        safe, reason = execution_is_safe(race, topology, threads_per_process)
         if not safe:
             raise PreflightError(f"training would hit the torch.compile FX-tracing race: {reason}")
         log.info("repro_fx_race: %s", reason)
+        if THREADS not in race.get("safe_for", []):
+            log.warning(
+                "the FX-race mitigation (%s) does not hold on torch %s (%s): safe here only because every process runs one thread of compiled code",
+                race.get("mitigation"),
+                race.get("torch_version"),
+                race.get("path"),
+            )
     return verdicts

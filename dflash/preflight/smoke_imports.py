@@ -153,14 +153,14 @@ def check_imports(verdict: SmokeVerdict, lines: dict[str, list[str]]) -> None:
 
 def check_backends(verdict: SmokeVerdict, device: torch.device) -> None:
     """One forward per backend on the same batch and weights, one training step where the backend has a backward."""
+    from dflash.config import TrainConfig
     from dflash.model import DFlashDrafter
-    from dflash.objective import default_gamma
     from dflash.preflight.synthetic import synthetic_batch, tiny_drafter_config, tiny_target
     from dflash.step import drafter_loss
 
     target = tiny_target(device)
     config = tiny_drafter_config(target)
-    batch = synthetic_batch(config, lengths=[37, 29], max_anchors=3, gamma=default_gamma(config.block_size))
+    batch = synthetic_batch(config, lengths=[37, 29], cfg=TrainConfig(max_anchors=3))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         drafter = DFlashDrafter(config).to(device)

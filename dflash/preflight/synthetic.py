@@ -15,6 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash.batch import Batch, make_batch
+from dflash.config import TrainConfig
 from dflash.model import DFlashConfig
 from dflash.target import Target
 
@@ -50,10 +51,10 @@ def synthetic_samples(lengths: list[int], vocab_size: int, seed: int = 0) -> pd.
     return pd.DataFrame(rows)
 
 
-def synthetic_batch(config: DFlashConfig, lengths: list[int], max_anchors: int, gamma: float, seed: int = 0, sample_loss_positions: bool = False) -> Batch:
+def synthetic_batch(config: DFlashConfig, lengths: list[int], cfg: TrainConfig, seed: int = 0) -> Batch:
     """One training batch of rows with these lengths, built by ``make_batch`` on random target features."""
     samples = synthetic_samples(lengths, config.vocab_size, seed)
     generator = torch.Generator().manual_seed(seed)
     width = len(config.target_layer_ids) * config.hidden_size
     features = [torch.randn(length, width, generator=generator) for length in lengths]
-    return make_batch(samples, list(range(len(lengths))), features, config, max_anchors, gamma, seed, epoch=0, sample_loss_positions=sample_loss_positions)
+    return make_batch(samples, list(range(len(lengths))), features, config, cfg, seed, epoch=0)

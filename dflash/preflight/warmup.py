@@ -1,13 +1,18 @@
-"""Preflight stage ``warmup_cache``: compile the drafter's training step once, into a cache training starts from.
+"""Preflight stage ``warmup_cache``: compile every shape of the drafter's training step into a cache training starts from.
 
-One job per drafter device (``cpu``, ``cuda0``, ...). It empties the cache
-directory, then runs the exact training step (``dflash.step.compile_drafter``
-and ``train_step`` on ``make_batch`` batches of training's shapes and rows) in a fresh process on a short and a long batch, filling inductor's
-FX-graph and AOT-autograd caches under ``cache_dir``. A second fresh process
-then starts against the warm cache, as training will. ``cold_seconds`` and
-``warm_seconds`` are the compile times of the two first steps (torch's own
-compile timers); the wall times of the first steps and whole processes are
-recorded beside them, and the second process must hit the cache.
+One job per drafter device (``cpu``, ``cuda0``, ...). Inductor specialises a
+compiled graph on size thresholds (its CPU reductions, say, switch kernels
+at 4096 elements), so one graph covers only a range of batch shapes, and a
+cache warmed on other shapes than training's serves nothing. The run's
+batches take few shapes (rows are padded to ``train.pad_multiple``), and
+``dflash.batch.step_shapes`` lists every one from the samples. The job
+empties the cache directory and runs the exact training step
+(``dflash.step.compile_drafter`` and ``train_step``) on each shape in a
+fresh process, on the device index the rank trains on, filling inductor's
+FX-graph and AOT-autograd caches. A second fresh process then runs every
+shape again, as training will, and must load every graph from the cache:
+the verdict fails otherwise. ``cold_seconds`` and ``warm_seconds`` are the
+two processes' compile times (torch's own compile timers).
 
 Training points its compile cache at the warmed directory
 (``dflash.compile_cache.use_warm_cache``) before it compiles.
@@ -17,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -29,8 +33,10 @@ from pathlib import Path
 
 import torch
 
+from dflash.batch import step_shapes
 from dflash.compile_cache import compile_cache_hits, use_compile_cache
 from dflash.config import DrafterConfig, TopologyConfig, TrainConfig, cpu_threads, parse_section
+from dflash.errors import PreflightError
 from dflash.preflight.gate import device_index
 from dflash.preflight.verdict import Verdict
 
@@ -43,40 +49,27 @@ class WarmupVerdict(Verdict):
     stage: str = "warmup_cache"
     device: str = "cpu"  # the job's device wildcard
     cache_dir: str = ""
-    cold_seconds: float = 0.0  # compiling the first training step in a fresh process on an empty cache
+    shapes: list[list[int]] = field(default_factory=list)  # every (rows, padded length) of the run's batches, warmed
+    cold_seconds: float = 0.0  # compiling every shape in a fresh process on an empty cache
     warm_seconds: float = 0.0  # the same in a second fresh process on the warm cache
     speedup: float = 0.0  # cold_seconds / warm_seconds
     target_speedup: float = TARGET_SPEEDUP
-    cold_first_step_seconds: float = 0.0  # compile + compute of the first step
-    warm_first_step_seconds: float = 0.0
+    cold_first_step_seconds: float = 0.0  # compile + compute of the first shape's step
+    warm_first_step_seconds: float = 0.0  # what training's first step should take
     cold_process_seconds: float = 0.0  # whole processes: interpreter, imports, target, steps
     warm_process_seconds: float = 0.0
-    graphs: list[int] = field(default_factory=list)  # graphs the cold process compiled for its short and its long batch
+    graphs: int = 0  # graphs the cold process compiled: one per size range inductor specialised on
     cache_mb: float = 0.0
     cold: dict = field(default_factory=dict)  # each process's own report: startup, steps, cache counters, compile phases
     warm: dict = field(default_factory=dict)
 
 
+def drafter_world(topology: TopologyConfig) -> int:
+    """The data-parallel drafter ranks of a topology."""
+    return topology.nnodes * topology.nproc_per_node - (topology.target_ranks if topology.kind == "split" else 0)
+
+
 # -- the training step, in a fresh process ---------------------------------------------------------
-
-
-def batch_rows(train: TrainConfig, topology: TopologyConfig) -> int:
-    """Rows of one drafter rank's batch: the global batch over the data-parallel drafter ranks."""
-    world = topology.nnodes * topology.nproc_per_node - (topology.target_ranks if topology.kind == "split" else 0)
-    return math.ceil(train.batch_size / max(1, world))
-
-
-def sequence_lengths(avoid: set[int]) -> list[int]:
-    """A short and a long padded length, for two batches; neither equal to another dimension of the step.
-
-    Two lengths, because inductor specialises on size thresholds (e.g. a guard
-    ``3*rows*length <= 4096`` on the SmolLM2-shaped drafter): a short and a long
-    batch can need two graphs, and both should be in the cache. An equal
-    dimension would make Dynamo tie the two in one symbol and recompile later.
-    """
-    short = next(n for n in (157, 163, 167, 173, 179) if n not in avoid)
-    long = next(n for n in (523, 541, 547, 557, 563) if n not in avoid)
-    return [short, long]
 
 
 def _compile_totals() -> dict[str, float]:
@@ -94,16 +87,18 @@ def _compile_seconds() -> float:
 
 
 def _step_main(spec: dict, report_path: Path) -> None:
-    """One process's warmup: the training step on batches of the given padded lengths, timed, with cache counters."""
+    """One process's warmup: the training step on a batch of each shape, timed, with cache counters."""
     start = time.perf_counter()
     from dflash.model import DFlashDrafter
-    from dflash.objective import default_gamma
     from dflash.preflight.synthetic import synthetic_batch
     from dflash.step import compile_drafter, drafter_config_for, train_step
     from dflash.target import load_from_manifest
 
     use_compile_cache(spec["cache_dir"])
     device = torch.device(spec["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(cpu_threads(spec["local_processes"]))
     drafter_cfg = parse_section(DrafterConfig, spec["drafter"], "drafter")
     train_cfg = parse_section(TrainConfig, spec["train"], "train")
     target = load_from_manifest(spec["target_manifest"], device=device)
@@ -111,21 +106,17 @@ def _step_main(spec: dict, report_path: Path) -> None:
     drafter = DFlashDrafter(config).to(device)
     forward = compile_drafter(drafter, enabled=True)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
-    gamma = train_cfg.gamma or default_gamma(config.block_size)
-    queries = train_cfg.max_anchors * config.block_size
-    width = len(config.target_layer_ids) * config.hidden_size
-    lengths = sequence_lengths({spec["rows"], queries, width, config.hidden_size, config.block_size, train_cfg.max_anchors, config.vocab_size})
-    report: dict = {"startup_seconds": time.perf_counter() - start, "rows": spec["rows"], "queries": queries, "steps": []}
-    for seed, length in enumerate(lengths):
-        # Rows from ``length`` down to half of it, padded to ``length``, as a real batch is.
-        rows = [length - i * length // (2 * spec["rows"]) for i in range(spec["rows"])]
-        batch = synthetic_batch(config, rows, train_cfg.max_anchors, gamma, seed, train_cfg.sample_loss_positions)
+    report: dict = {"startup_seconds": time.perf_counter() - start, "threads": torch.get_num_threads(), "steps": []}
+    for seed, (rows, length) in enumerate(spec["shapes"]):
+        # Rows from ``length`` down to half of it: padded to ``length``, as a real batch of that shape is.
+        batch = synthetic_batch(config, [length - i * length // (2 * rows) for i in range(rows)], train_cfg, seed)
         frames, compiling, t = compile_cache_hits()["frames_compiled"], _compile_seconds(), time.perf_counter()
         train_step(forward, drafter, optimizer, target, batch, train_cfg)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         report["steps"].append(
             {
+                "rows": rows,
                 "length": length,
                 "seconds": time.perf_counter() - t,
                 "compile_seconds": _compile_seconds() - compiling,
@@ -138,20 +129,24 @@ def _step_main(spec: dict, report_path: Path) -> None:
     report_path.write_text(json.dumps(report))
 
 
-def _device_env(device: str, topology: TopologyConfig) -> tuple[str, dict[str, str]]:
-    """The torch device a ``cpu``/``cudaN`` job uses, and the environment that pins it."""
+def _device_env(device: str) -> tuple[str, dict[str, str]]:
+    """The torch device a ``cpu``/``cudaN`` job compiles for, and the environment of its processes.
+
+    The device index is part of the compiled graphs' cache keys, so ``cudaN`` compiles for ``cuda:N``
+    with the devices training sees, never for a device renumbered by pinning ``CUDA_VISIBLE_DEVICES``.
+    """
     env = dict(os.environ)
-    # The threads a training process of this topology runs with: inductor's CPU kernels are compiled for a thread count.
-    env["OMP_NUM_THREADS"] = str(cpu_threads(topology.nproc_per_node))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
     index = device_index(device)
     if index is None:
         return "cpu", env
-    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    if len(visible) != 1:
-        # Pin the job to its device, unless the scheduler already did (one visible device).
-        env["CUDA_VISIBLE_DEVICES"] = visible[index] if index < len(visible) else str(index)
-    return "cuda:0", env
+    visible = torch.cuda.device_count()
+    if index >= visible:
+        raise PreflightError(
+            f"warmup device {device} is cuda:{index}, but this job sees {visible} CUDA device(s): the warmup compiles for the device index "
+            f"the training rank uses, so the job must see the node's GPUs as training does (under SLURM: give warmup_cache the GPUs of a node)"
+        )
+    return f"cuda:{index}", env
 
 
 def _run_step_process(spec: dict, env: dict[str, str]) -> tuple[dict | None, float, str]:
@@ -174,24 +169,30 @@ def _directory_mb(directory: Path) -> float:
 def warmup_cache(
     device: str,
     target_manifest: str | Path,
+    samples: str | Path,
     drafter: DrafterConfig,
     train: TrainConfig,
     topology: TopologyConfig,
     cache_dir: str | Path,
 ) -> WarmupVerdict:
+    from dflash.data import read_samples
+
     start = time.perf_counter()
     cache_dir = Path(cache_dir).resolve()
     verdict = WarmupVerdict(device=device, cache_dir=str(cache_dir))
-    torch_device, env = _device_env(device, topology)
+    torch_device, env = _device_env(device)
+    lengths = [len(ids) for ids in read_samples(samples)["input_ids"]]
+    verdict.shapes = [list(shape) for shape in step_shapes(lengths, train, drafter_world(topology))]
     # A leftover cache would make the cold start warm and the measurement meaningless.
     shutil.rmtree(cache_dir, ignore_errors=True)
     cache_dir.mkdir(parents=True)
     spec = {
         "device": torch_device,
+        "local_processes": topology.nproc_per_node,  # inductor's CPU kernels are built for training's thread count
         "target_manifest": str(Path(target_manifest).resolve()),
         "drafter": asdict(drafter),
         "train": asdict(train),
-        "rows": batch_rows(train, topology),
+        "shapes": verdict.shapes,
         "cache_dir": str(cache_dir),
     }
     # Cold fills the cache; warm is the second start, as training makes it, and must find every graph there.
@@ -200,27 +201,26 @@ def warmup_cache(
         if report is None:
             verdict.fail(f"the {label} warmup process failed on {device}:\n{failure}\nRun `dflash warmup-cache` alone to reproduce, and fix the error above")
             break
-        first = report["steps"][0]
         setattr(verdict, label, report)
         setattr(verdict, f"{label}_process_seconds", round(seconds, 2))
-        setattr(verdict, f"{label}_seconds", round(first["compile_seconds"], 2))
-        setattr(verdict, f"{label}_first_step_seconds", round(first["seconds"], 2))
+        setattr(verdict, f"{label}_seconds", round(sum(step["compile_seconds"] for step in report["steps"]), 2))
+        setattr(verdict, f"{label}_first_step_seconds", round(report["steps"][0]["seconds"], 2))
     if verdict.ok:
         _judge(verdict)
     verdict.cache_mb = _directory_mb(cache_dir)
     verdict.seconds = time.perf_counter() - start
     warm = verdict.warm
     verdict.summarize(
-        f"{device}: compile cold {verdict.cold_seconds:.1f} s, warm {verdict.warm_seconds:.1f} s ({verdict.speedup:.1f}x, target {TARGET_SPEEDUP:.0f}x); "
-        f"warm start = {warm.get('startup_seconds', 0):.1f} s startup + {verdict.warm_seconds:.1f} s compile + "
-        f"{verdict.warm_first_step_seconds - verdict.warm_seconds:.1f} s first step; graphs {verdict.graphs}; cache {verdict.cache_mb} MB at {cache_dir}"
+        f"{device}: {len(verdict.shapes)} batch shapes in {verdict.graphs} graph(s); compile cold {verdict.cold_seconds:.1f} s, warm {verdict.warm_seconds:.1f} s "
+        f"({verdict.speedup:.1f}x, target {TARGET_SPEEDUP:.0f}x); warm start = {warm.get('startup_seconds', 0):.1f} s startup + "
+        f"{verdict.warm_first_step_seconds:.1f} s first step; cache {verdict.cache_mb} MB at {cache_dir}"
     )
     return verdict
 
 
 def _judge(verdict: WarmupVerdict) -> None:
-    """The second start must compile nothing cold; the speedup is reported against its target, not required."""
-    verdict.graphs = [step["graphs_compiled"] for step in verdict.cold["steps"]]
+    """Every shape of the second start must load its graphs from the cache; the speedup is reported against its target, not required."""
+    verdict.graphs = sum(step["graphs_compiled"] for step in verdict.cold["steps"])
     verdict.speedup = round(verdict.cold_seconds / max(verdict.warm_seconds, 1e-9), 1)
     warm = verdict.warm["cache"]
     if warm["fxgraph_cache_miss"] or warm["autograd_cache_miss"] or not warm["fxgraph_cache_hit"]:
@@ -233,7 +233,7 @@ def _judge(verdict: WarmupVerdict) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="one warmup process (run by warmup_cache)")
-    parser.add_argument("--spec", required=True, help="device, target manifest, drafter and train sections, rows, cache directory (JSON)")
+    parser.add_argument("--spec", required=True, help="device, target manifest, drafter and train sections, shapes, cache directory (JSON)")
     parser.add_argument("--report", type=Path, required=True)
     args = parser.parse_args()
     _step_main(json.loads(args.spec), args.report)

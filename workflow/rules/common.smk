@@ -9,16 +9,18 @@ from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
 sys.path.insert(0, workflow.basedir)
-from dflash.config import ConfigError, canonical_json, load_config, to_dict
+from dflash.config import ConfigError, canonical_json, check_local_sources, load_config, to_dict
 
 
 # The typed config first: its messages name the dotted key ("train.lrr: unknown key; allowed keys here
-# are [...]"); the schema then checks what the dataclasses do not (e.g. eval set name patterns).
+# are [...]"), and it parses the strings of nested --config values. The schema then checks the parsed
+# values for what the dataclasses do not (e.g. eval set name patterns), and local sources must exist.
 try:
     CFG = load_config(config)
+    check_local_sources(CFG)
 except ConfigError as err:
     raise WorkflowError(f"invalid config: {err}") from None
-validate(config, Path(workflow.basedir) / "workflow" / "schemas" / "config.schema.yaml")
+validate(to_dict(CFG), Path(workflow.basedir) / "workflow" / "schemas" / "config.schema.yaml")
 
 # `snakemake repro_fx_race`, typed without --cores, runs locally on one core like the documented `--cores 1`
 # entry points (Snakemake itself refuses a local run without --cores). Set here rather than in a default

@@ -64,6 +64,8 @@ rule warmup_cache:
         package("preflight/__init__", "preflight/verdict", "preflight/warmup", "preflight/synthetic", "step", "model", "attention", "objective", "target"),
         rules.smoke_imports.output,
         manifest=rules.prepare_target.output[0],
+        # The samples decide the batch shapes a run takes, each of which the warmup compiles.
+        samples=rules.prepare_data.output.samples,
     output:
         f"{RESULTS}/preflight/warmup/{{device}}.json",
     wildcard_constraints:
@@ -84,4 +86,4 @@ rule warmup_cache:
         f"{LOGS}/warmup_cache_{{device}}.log",
     shell:
         "python -m dflash warmup-cache --device {wildcards.device} --drafter {params.drafter:q} --train {params.train:q} "
-        "--topology {params.topology:q} --target-manifest {input.manifest} --cache-dir {params.cache_dir} --out {output} > {log} 2>&1"
+        "--topology {params.topology:q} --target-manifest {input.manifest} --samples {input.samples} --cache-dir {params.cache_dir} --out {output} > {log} 2>&1"
