@@ -15,6 +15,10 @@ Target tokens/s is the throughput of the target's forward passes, summed over
 the ranks that run them (their capacity; they may wait on training).
 Each measurement runs in fresh processes, so that compile caches and memory
 statistics of one never leak into the next.
+
+First it prints the FLOP balance of a split (``dflash.cost``): the target's pass
+and the drafter's training per sample of ``config/gpu-8x.yaml`` (Qwen3-8B, a
+5-layer drafter, 512 anchors x 16) and the target ranks that balance them.
 """
 
 from __future__ import annotations
@@ -47,10 +51,39 @@ PRESETS = {
         "train": {"batch_size": 8, "max_anchors": 256, "compile": True, "precision": "bf16"},
     },
 }
+# config/gpu-8x.yaml: Qwen3-8B (its published config.json) and the drafter and training it configures.
+QWEN3_8B = dict(hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8, head_dim=128, vocab=151936)
+GPU_8X = {"drafter_layers": 5, "features": 5, "block_size": 16, "train": {"max_anchors": 512, "sample_loss_positions": False}, "world": 8}
+
+
+def flop_balance(tokens_per_sample: tuple[int, ...] = (1000, 1500, 2048)) -> list[dict]:
+    """The FLOPs per sample either side of config/gpu-8x.yaml's split, and the target ranks that balance them."""
+    from dflash.config import TrainConfig
+    from dflash.cost import Shape, balanced_target_ranks, drafter_flops, target_flops
+
+    target = Shape(**QWEN3_8B)
+    drafter = Shape(**QWEN3_8B | {"layers": GPU_8X["drafter_layers"]})
+    cfg = TrainConfig(**GPU_8X["train"])
+    rows = []
+    for tokens in tokens_per_sample:
+        t = target_flops(target, tokens)
+        d = drafter_flops(drafter, GPU_8X["features"] * target.hidden, tokens, cfg, GPU_8X["block_size"])
+        rows.append(
+            {
+                "tokens": tokens,
+                "target_tflop": round(t / 1e12, 1),
+                "drafter_tflop": round(d / 1e12, 1),
+                "balanced_target_ranks_of_8": balanced_target_ranks(GPU_8X["world"], t, d),
+            }
+        )
+    return rows
+
+
 CPU_TOPOLOGIES = [
     ("1 process", {"kind": "colocated", "nproc_per_node": 1}),
     ("2 colocated", {"kind": "colocated", "nproc_per_node": 2}),
     ("8 split 5+3", {"kind": "split", "nproc_per_node": 8, "target_ranks": 5}),
+    ("8 split 2+6", {"kind": "split", "nproc_per_node": 8, "target_ranks": 2}),
 ]
 
 
@@ -135,6 +168,12 @@ def main() -> None:
     if args.worker:
         worker(json.loads(args.worker))
         return
+    balance = flop_balance()
+    print("FLOPs per sample, config/gpu-8x.yaml (Qwen3-8B target, 5-layer drafter, 512 anchors x 16):")
+    for row in balance:
+        print(
+            f"  {row['tokens']} tokens: target {row['target_tflop']} TFLOP, drafter {row['drafter_tflop']} TFLOP -> {row['balanced_target_ranks_of_8']} target ranks of 8"
+        )
     if torch.cuda.is_available():
         device = "cuda"
         plan = [("1 GPU colocated", {"kind": "colocated"}, "flex"), ("1 GPU colocated", {"kind": "colocated"}, "sdpa")]
@@ -148,7 +187,7 @@ def main() -> None:
     environment = {"torch": torch.__version__, "cpus": os.cpu_count(), "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None}
     out = args.out or ROOT / "benchmarks" / "results" / f"train_throughput_{device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"environment": environment, "preset": PRESETS[device], "rows": rows}, indent=2) + "\n")
+    out.write_text(json.dumps({"environment": environment, "preset": PRESETS[device], "flop_balance": balance, "rows": rows}, indent=2) + "\n")
     print(table(rows))
     print(f"written to {out}")
 

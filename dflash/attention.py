@@ -12,6 +12,7 @@ queries are the blocks only. Query ``q`` belongs to block ``q // B``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -58,12 +59,17 @@ class TrainingMask:
 
     backend: Literal["flex", "sdpa"]
     block_mask: BlockMask | None = None
+    kernel: Callable | None = None  # flex: the attention kernel (compiled on CUDA)
     dense: torch.Tensor | None = None  # [batch, 1, Q, K] bool; empty rows opened up, see `empty_rows`
     empty_rows: torch.Tensor | None = None  # [batch, 1, Q, 1] bool: queries that see nothing
 
 
-# Compiled once per process: an uncompiled create_block_mask materialises the dense mask.
-_compiled_create_block_mask = None
+@functools.cache
+def compiled_flex_kernels() -> tuple[Callable, Callable]:
+    """``create_block_mask`` and ``flex_attention`` compiled, wrapped once per process and only by mask building,
+    which never runs inside a Dynamo trace (there, ``torch.compile`` would return the raw function). Uncompiled,
+    the first materialises the dense mask and the second the whole score matrix."""
+    return torch.compile(create_block_mask), torch.compile(flex_attention)
 
 
 def build_training_mask(
@@ -81,23 +87,17 @@ def build_training_mask(
     kind = resolve_backend(backend, device)
     mask_mod = dflash_mask_mod(anchors, anchor_valid, context_length, block_size)
     if kind == "flex":
-        global _compiled_create_block_mask
         if compile_block_mask is None:
             compile_block_mask = device.type == "cuda"
-        make = create_block_mask
-        if compile_block_mask:
-            if _compiled_create_block_mask is None:
-                _compiled_create_block_mask = torch.compile(create_block_mask)
-            make = _compiled_create_block_mask
-        return TrainingMask("flex", block_mask=make(mask_mod, batch, None, q_len, kv_len, device=device))
+        make = compiled_flex_kernels()[0] if compile_block_mask else create_block_mask
+        # The CPU runs flex eagerly: forward only (no backward in torch 2.13), in the preflight checks and tests.
+        kernel = compiled_flex_kernels()[1] if device.type == "cuda" else flex_attention
+        return TrainingMask("flex", block_mask=make(mask_mod, batch, None, q_len, kv_len, device=device), kernel=kernel)
     dense = create_mask(mask_mod, batch, 1, q_len, kv_len, device=device)
     empty = ~dense.any(dim=-1, keepdim=True)
     # SDPA turns a row with no visible key into NaN, which poisons the backward;
     # open such rows to every key and zero their output afterwards (flex gives 0).
     return TrainingMask("sdpa", dense=dense | empty, empty_rows=empty)
-
-
-_compiled_flex_attention = None
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: TrainingMask | None, scale: float) -> torch.Tensor:
@@ -109,12 +109,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: TrainingMask
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     if mask.backend == "flex":
-        global _compiled_flex_attention
-        fn = flex_attention
-        if q.device.type == "cuda":
-            if _compiled_flex_attention is None:
-                _compiled_flex_attention = torch.compile(flex_attention)
-            fn = _compiled_flex_attention
-        return fn(q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=gqa)
+        return mask.kernel(q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=gqa)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, scale=scale, enable_gqa=gqa)
     return out.masked_fill(mask.empty_rows, 0.0)

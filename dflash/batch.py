@@ -24,6 +24,7 @@ import torch
 from dflash.config import TrainConfig
 from dflash.model import DFlashConfig
 from dflash.objective import Blocks, build_blocks, default_gamma, sample_anchors, sample_positions
+from dflash.vocab import DraftVocab
 
 
 def seeded_generator(*parts: int) -> torch.Generator:
@@ -96,10 +97,21 @@ def pad_rows(rows: list, pad_value: int, multiple: int = 1) -> tuple[torch.Tenso
 
 
 @dataclass
+class TargetRow:
+    """The target's teacher-forced pass over one sample (``dflash.target.TargetPass``, one row of it)."""
+
+    features: torch.Tensor  # [S, K*H]
+    greedy: torch.Tensor  # [S] long
+    top_ids: torch.Tensor | None = None  # [S, k]: the target's most likely next tokens (distillation)
+    top_probs: torch.Tensor | None = None  # [S, k]
+
+
+@dataclass
 class Batch:
     input_ids: torch.Tensor  # [b, S]
     loss_mask: torch.Tensor  # [b, S] bool
     features: torch.Tensor  # [b, S, K*H]
+    greedy: torch.Tensor  # [b, S]: the target's greedy next token after each position
     anchors: torch.Tensor  # [b, A]
     valid: torch.Tensor  # [b, A]
     blocks: Blocks
@@ -107,29 +119,57 @@ class Batch:
     indices: list[int] = field(default_factory=list)  # the samples of the rows (none for an idle rank's placeholder)
 
 
-def make_batch(samples: pd.DataFrame, indices: list[int], features: list[torch.Tensor], config: DFlashConfig, cfg: TrainConfig, seed: int, epoch: int) -> Batch:
-    """Pad the samples and draw their anchors (and sampled loss positions); all randomness of a
+def make_batch(
+    samples: pd.DataFrame,
+    indices: list[int],
+    rows: list[TargetRow],
+    config: DFlashConfig,
+    cfg: TrainConfig,
+    seed: int,
+    epoch: int,
+    vocab: DraftVocab | None = None,
+) -> Batch:
+    """Pad the samples, draw their anchors (and sampled loss positions) and label their blocks with the target's
+    greedy tokens (as indices of the draft vocabulary ``vocab``, if the drafter has one). All randomness of a
     sample depends on (seed, epoch, sample index) only, never on the batch or the topology."""
     ids, _ = pad_rows([samples["input_ids"].iloc[i] for i in indices], pad_value=0, multiple=cfg.pad_multiple)
     loss_mask, _ = pad_rows([samples["loss_mask"].iloc[i] for i in indices], pad_value=0, multiple=cfg.pad_multiple)
     loss_mask = loss_mask.bool()
     width = ids.shape[1]
     # On the features' device: online features stay on the GPU they were computed on.
-    feats = features[0].new_zeros(len(indices), width, features[0].shape[-1], dtype=torch.float32)
+    feats = rows[0].features.new_zeros(len(indices), width, rows[0].features.shape[-1], dtype=torch.float32)
+    greedy = torch.zeros_like(ids)
+    top_k = rows[0].top_ids.shape[-1] if rows[0].top_ids is not None else 0
+    top_ids = torch.zeros(*ids.shape, top_k, dtype=torch.long)
+    top_probs = torch.zeros(*ids.shape, top_k)
     anchors, valid = [], []
-    for row, (i, f) in enumerate(zip(indices, features)):
-        feats[row, : f.shape[0]] = f
+    for row, (i, target_row) in enumerate(zip(indices, rows)):
+        length = target_row.features.shape[0]
+        feats[row, :length] = target_row.features
+        greedy[row, :length] = target_row.greedy.cpu()
+        if top_k:
+            top_ids[row, :length] = target_row.top_ids.cpu()
+            top_probs[row, :length] = target_row.top_probs.cpu().float()
         length = len(samples["input_ids"].iloc[i])
         a, v = sample_anchors(loss_mask[row : row + 1, :length], cfg.max_anchors, seeded_generator(seed, epoch, i))
         anchors.append(a)
         valid.append(v)
     anchors, valid = torch.cat(anchors), torch.cat(valid)
     gamma = cfg.gamma or default_gamma(config.block_size)
-    blocks = build_blocks(ids, loss_mask, anchors, valid, config.block_size, config.mask_token_id, gamma)
+    blocks = build_blocks(ids, loss_mask, anchors, valid, config.block_size, config.mask_token_id, gamma, greedy, (top_ids, top_probs) if top_k else None)
+    if vocab is not None:
+        # A label outside the draft vocabulary cannot be drafted: it trains nothing (and has no probability to learn).
+        drafted = vocab.index[blocks.labels]
+        blocks.weights = blocks.weights * (drafted >= 0)
+        blocks.labels = drafted.clamp(min=0)
+        if top_k:
+            soft = vocab.index[blocks.soft_ids]
+            probs = blocks.soft_probs * (soft >= 0)
+            blocks.soft_ids, blocks.soft_probs = soft.clamp(min=0), probs / probs.sum(-1, keepdim=True).clamp(min=1e-12)
     weight_total = blocks.weights.sum()
     if cfg.sample_loss_positions:
         blocks.weights = torch.cat([sample_positions(w[None], seeded_generator(seed, epoch, i, 1)) for i, w in zip(indices, blocks.weights)])
-    return Batch(ids, loss_mask, feats, anchors, valid, blocks, weight_total, list(indices))
+    return Batch(ids, loss_mask, feats, greedy, anchors, valid, blocks, weight_total, list(indices))
 
 
 def idle_batch(samples: pd.DataFrame, stand_in: int, width: int, config: DFlashConfig, cfg: TrainConfig) -> Batch:
@@ -137,7 +177,7 @@ def idle_batch(samples: pd.DataFrame, stand_in: int, width: int, config: DFlashC
     epoch's end) still runs the step, because every rank must join the gradient all-reduce: one
     stand-in row with zero weight, which adds nothing to the loss or the gradient."""
     length = len(samples["input_ids"].iloc[stand_in])
-    batch = make_batch(samples, [stand_in], [torch.zeros(length, width)], config, cfg, seed=0, epoch=0)
+    batch = make_batch(samples, [stand_in], [TargetRow(torch.zeros(length, width), torch.zeros(length, dtype=torch.long))], config, cfg, seed=0, epoch=0)
     batch.blocks.weights.zero_()
     return dataclasses.replace(batch, weight_total=torch.zeros(()), indices=[])
 

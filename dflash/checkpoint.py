@@ -22,6 +22,7 @@ from dflash.distributed import Layout
 from dflash.errors import InputError
 from dflash.io import atomic_path, discard, remove_leftovers
 from dflash.model import DFlashConfig, DFlashDrafter
+from dflash.vocab import DraftVocab
 
 STEP_PREFIX = "step-"
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -112,10 +113,11 @@ def resume_point(directory: Path, layout: Layout) -> tuple[int, Path | None]:
     return json.loads((Path(latest) / "meta.json").read_text())["step"], Path(latest)
 
 
-def save_drafter(drafter: torch.nn.Module, config: DFlashConfig, out_dir: Path, layout: Layout) -> None:
-    """The trained drafter in the reference format, from the full weights (gathered when FSDP shards them)."""
+def save_drafter(drafter: torch.nn.Module, config: DFlashConfig, out_dir: Path, layout: Layout, vocab: DraftVocab | None = None) -> None:
+    """The trained drafter in the reference format, from the full weights (gathered when FSDP shards them), with its draft vocabulary."""
     state = get_model_state_dict(drafter, options=_FULL)
     if layout.is_main:
         plain = DFlashDrafter(config)
         plain.load_state_dict(state)
+        plain.draft_vocab = vocab
         plain.save_pretrained(out_dir)

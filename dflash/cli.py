@@ -63,15 +63,20 @@ def prepare_target(args, s) -> None:
 
 
 def prepare_data(args, s) -> None:
+    from dflash import distributed
     from dflash.data import prepare_data as run
-    from dflash.target import load_from_manifest
+    from dflash.target import load_from_manifest, preparation_dtype
 
-    target = load_from_manifest(args.target_manifest)
-    card = run(s["data"], args.seed, target, args.out_dir)
-    print(
-        f"prepare_data: {card.samples} training samples ({card.response_tokens} response tokens), "
-        f"{card.heldout_prompts} held-out prompts, dropped {sum(card.dropped.values())}"
-    )
+    # One process per device of the topology, as torchrun started them (the launcher resource of the rule).
+    layout = distributed.join(s["topology"].device)
+    target = load_from_manifest(args.target_manifest, device=layout.device, dtype=preparation_dtype(s["data"].generation.dtype, layout.device))
+    card = run(s["data"], args.seed, target, args.out_dir, args.chunk_dir, layout)
+    if card is not None:
+        print(
+            f"prepare_data: {card.samples} training samples ({card.response_tokens} response tokens, {card.regenerated_samples} regenerated), "
+            f"{card.validation_samples} validation samples, {card.heldout_prompts} held-out prompts, dropped {sum(card.dropped.values())}"
+        )
+    distributed.shutdown(layout)
 
 
 def train(args, s) -> None:
@@ -83,9 +88,10 @@ def train(args, s) -> None:
 def evaluate(args, s) -> None:
     from dflash.evaluate import run_evaluation
     from dflash.model import DFlashDrafter
+    from dflash.preflight.gate import first_device
     from dflash.target import load_from_manifest
 
-    target = load_from_manifest(args.target_manifest)
+    target = load_from_manifest(args.target_manifest, device=first_device(s["topology"]))
     drafter = DFlashDrafter.from_pretrained(args.drafter, device=target.device, dtype=target.dtype).eval()
     summary = run_evaluation(s["eval"], target, drafter, args.heldout, args.out_dir)
     print(summary.to_string(index=False))
@@ -130,14 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _add(sub, "prepare-target", "materialise the target model", prepare_target, {"target": C.TargetConfig}, ["out"])
-    p = _add(sub, "prepare-data", "prompts → target responses → training samples", prepare_data, {"data": C.DataConfig}, ["target_manifest", "out_dir"])
+    sections = {"data": C.DataConfig, "topology": C.TopologyConfig}
+    p = _add(sub, "prepare-data", "prompts → target responses → training samples", prepare_data, sections, ["target_manifest", "out_dir", "chunk_dir"])
     p.add_argument("--seed", type=int, default=0)
     sections = {"drafter": C.DrafterConfig, "train": C.TrainConfig, "topology": C.TopologyConfig, "tracking": C.TrackingConfig}
     p = _add(sub, "train", "train the drafter", train, sections, ["target_manifest", "samples", "out_dir", "checkpoint_dir"])
+    p.add_argument("--validation", type=Path, default=None, help="validation samples (never trained on)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preflight", type=Path, nargs="*", default=[], help="verdict files train requires")
     paths = ["target_manifest", "drafter", "heldout", "out_dir"]
-    _add(sub, "evaluate", "speculative decoding on the evaluation sets", evaluate, {"eval": C.EvalConfig}, paths)
+    _add(sub, "evaluate", "speculative decoding on the evaluation sets", evaluate, {"eval": C.EvalConfig, "topology": C.TopologyConfig}, paths)
     _add(sub, "report", "plots and an HTML summary", report, {}, ["metrics", "train_summary", "card", "eval_summary", "out_dir"])
 
     preflight = {"topology": C.TopologyConfig, "preflight": C.PreflightConfig}

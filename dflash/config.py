@@ -38,9 +38,16 @@ class TargetConfig:
 
 @dataclass
 class PromptSource:
-    source: str = "embedded"  # "embedded", a .json/.jsonl/.parquet file, or a hub dataset id
+    source: str = "embedded"  # "sharegpt", "embedded", a .json/.jsonl/.parquet file, or a hub dataset id
     split: str = "train"
     limit: int | None = None
+
+
+@dataclass
+class ServerConfig:
+    url: str  # an OpenAI-compatible endpoint, e.g. http://node7:8000/v1
+    model: str  # the model name the server serves
+    api_key: str = "EMPTY"
 
 
 @dataclass
@@ -49,14 +56,25 @@ class GenerationConfig:
     batch_size: int = 32
     temperature: float = 0.0
     top_p: float = 1.0
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the target's while it regenerates (auto: bf16 where native)
+    engine: Literal["local", "server"] = "local"  # local: the target in every process of the topology; server: data.generation.servers
+    batching: Literal["auto", "padded", "continuous"] = "auto"  # local: padded generate batches, or continuous batching (auto: on CUDA)
+    servers: list[ServerConfig] = field(default_factory=list)
+    concurrency: int = 64  # requests in flight per server
+    retries: int = 5  # per request, with exponential backoff, on transient server errors
+    timeout: float = 600.0  # seconds per request
+    chunk_size: int = 256  # prompts per resumable chunk file
 
 
 @dataclass
 class DataConfig:
     prompts: PromptSource = field(default_factory=PromptSource)
+    regenerate: int | None = None  # training prompts the target answers itself (None: all); the others train on the source's replies
     heldout_fraction: float = 0.05
-    heldout_limit: int | None = None  # cap on held-out prompts regenerated (evaluation uses them)
+    heldout_limit: int | None = None  # held-out prompts evaluation decodes (chat set "heldout")
+    validation: int = 32  # further held-out prompts made into validation samples
     max_length: int = 2048
+    max_prompt_length: int = 1024  # longer prompts are dropped: their tokens would cost the target and train nothing
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
 
@@ -71,6 +89,7 @@ class DrafterConfig:
     num_attention_heads: int | None = None  # default: the target's
     num_key_value_heads: int | None = None  # default: the target's
     head_dim: int | None = None  # default: the target's
+    draft_vocab_size: int | None = None  # draft only the target tokens the training responses use most (None: all)
 
 
 @dataclass
@@ -83,15 +102,19 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     gamma: float | None = None  # loss decay; default by block size (7 for B=16)
+    distill_top_k: int = 0  # train against the target's top-k next-token probabilities (0: its greedy token)
     sample_loss_positions: bool = False  # unbiased position sampling: same expected loss, ~45% of the LM-head cost at B=16
     hidden_states: Literal["cache", "online"] = "cache"
     attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
     compile: bool = True
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast where the device computes bf16 natively
+    target_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the target's dtype in training (auto: bf16 where native)
     head_chunk: int = 2048  # rows per LM-head chunk in the loss
+    activation_checkpointing: bool = False  # recompute each drafter layer in the backward: less memory, about a third more compute
     pad_multiple: int = 64  # padded sequence lengths are multiples of this: a run compiles a few shapes, all warmed in advance
     checkpoint_every: int = 200  # optimizer steps between resumable checkpoints
     log_every: int = 10
+    validate_every: int = 50  # optimizer steps between accuracies on the validation samples (logged with the next row)
 
 
 @dataclass
@@ -139,6 +162,8 @@ class EvalSet:
 class EvalConfig:
     block_size: int | None = None  # default: the drafter's
     max_new_tokens: int = 128
+    prompt_lookup_tokens: int | None = None  # the prompt-lookup arm proposes up to this many (default: block_size - 1, the same widest verify)
+    prompt_lookup_ngram: int = 3  # ... following the latest earlier occurrence of the context's last n-gram, n <= this
     sets: list[EvalSet] = field(default_factory=lambda: [EvalSet(name="chat", source="heldout"), EvalSet(name="humaneval", source="humaneval")])
 
 
@@ -261,8 +286,11 @@ def load_config(raw: dict) -> Config:
 def _check_ranges(c: Config) -> None:
     minimums = {
         "data.max_length": (c.data.max_length, 1),
+        "data.max_prompt_length": (c.data.max_prompt_length, 1),
         "data.generation.max_new_tokens": (c.data.generation.max_new_tokens, 1),
         "data.generation.batch_size": (c.data.generation.batch_size, 1),
+        "data.generation.concurrency": (c.data.generation.concurrency, 1),
+        "data.generation.chunk_size": (c.data.generation.chunk_size, 1),
         "drafter.num_hidden_layers": (c.drafter.num_hidden_layers, 1),
         "drafter.num_context_features": (c.drafter.num_context_features, 1),
         "drafter.block_size": (c.drafter.block_size, MIN_BLOCK_SIZE),
@@ -273,10 +301,13 @@ def _check_ranges(c: Config) -> None:
         "train.pad_multiple": (c.train.pad_multiple, 1),
         "train.checkpoint_every": (c.train.checkpoint_every, 1),
         "train.log_every": (c.train.log_every, 1),
+        "train.validate_every": (c.train.validate_every, 1),
         "topology.nnodes": (c.topology.nnodes, 1),
         "topology.nproc_per_node": (c.topology.nproc_per_node, 1),
         "eval.block_size": (c.eval.block_size, MIN_BLOCK_SIZE),
         "eval.max_new_tokens": (c.eval.max_new_tokens, 1),
+        "eval.prompt_lookup_tokens": (c.eval.prompt_lookup_tokens, 1),
+        "eval.prompt_lookup_ngram": (c.eval.prompt_lookup_ngram, 1),
         "preflight.repro_fx_race.threads": (c.preflight.repro_fx_race.threads, 1),
         "preflight.repro_fx_race.trials": (c.preflight.repro_fx_race.trials, 1),
         "preflight.repro_fx_race.steps": (c.preflight.repro_fx_race.steps, 1),
@@ -325,7 +356,7 @@ def check_local_sources(c: Config) -> None:
     sources = {"target.source": c.target.source, "data.prompts.source": c.data.prompts.source}
     sources |= {f"eval.sets[{i}].source": s.source for i, s in enumerate(c.eval.sets)}
     for key, source in sources.items():
-        if source in ("embedded", "heldout", "humaneval"):
+        if source in ("embedded", "sharegpt", "heldout", "humaneval"):
             continue
         path = local_path(source)
         if path is not None and not path.exists():

@@ -1,9 +1,13 @@
-"""Lossless speculative decoding with a DFlash drafter, one request at a time.
+"""Lossless speculative decoding, one request at a time: a DFlash drafter, prompt lookup, or none.
 
-prefill → draft B-1 tokens in one drafter forward → verify the block in one
+prefill → propose up to B-1 tokens → verify ``[last token] + proposal`` in one
 target forward → accept the longest prefix the target agrees with, plus the
-target's own next token → crop both caches. With block size 1 the same loop
-is plain greedy decoding: the autoregressive baseline.
+target's own next token → crop the caches. A DFlash drafter proposes B-1
+tokens in one forward from the target's hidden states; prompt lookup
+proposes the tokens that followed the last earlier occurrence of the
+context's final n-gram; with block size 1 (or no proposer) the same loop is
+plain greedy decoding: the autoregressive baseline. Whatever the proposal,
+the output is the target's own greedy output.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class DecodeStats:
     target_forwards: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    draft_seconds: float = 0.0  # the part of decode_seconds spent proposing
 
     @property
     def tau(self) -> float:
@@ -50,6 +55,76 @@ class Generation:
     stats: DecodeStats
 
 
+class DFlashProposer:
+    """Drafts with a DFlash drafter: context keys and values of every committed token stay in its cache; each
+    proposal is one forward over ``[last token, MASK x (n)]`` projected through the target's LM head rows of the
+    drafter's vocabulary."""
+
+    needs_hidden_states = True
+
+    def __init__(self, target: Target, drafter: DFlashDrafter):
+        self.target, self.drafter = target, drafter
+        self.cache = DraftCache()
+        vocab = drafter.draft_vocab
+        weight = target.lm_head.weight
+        # The draft side needs no exactness: the head runs in the drafter's dtype.
+        self.head = (weight if vocab is None else vocab.head(weight)).to(drafter.fc.weight.dtype)
+        self.token_ids = None if vocab is None else vocab.token_ids.to(weight.device)
+        self.context: torch.Tensor | None = None  # features of the positions not yet in the cache
+        self.context_start = 0
+
+    def observe(self, hidden_states, count: int, start: int) -> None:
+        """The target processed ``count`` tokens from position ``start`` (the prefill: from 0)."""
+        self.context = select_features(hidden_states, self.drafter.config.target_layer_ids)[:, :count]
+        self.context_start = start
+
+    def propose(self, tokens: list[int], count: int) -> list[int]:
+        start = len(tokens) - 1
+        device = self.target.device
+        block = torch.tensor([[tokens[-1]] + [self.drafter.mask_token_id] * count], device=device)
+        hidden = self.drafter(
+            context_features=self.context,
+            block_embeddings=self.target.embed(block),
+            context_positions=torch.arange(self.context_start, start, device=device)[None],
+            block_positions=torch.arange(start, start + count + 1, device=device)[None],
+            cache=self.cache,
+        )
+        self.context = None  # now in the cache
+        drafted = (hidden[0, 1:].to(self.head.dtype) @ self.head.t()).argmax(-1)
+        return (drafted if self.token_ids is None else self.token_ids[drafted]).tolist()
+
+
+@dataclass
+class PromptLookup:
+    """Prompt lookup decoding: propose the up to ``num_tokens`` tokens that followed the latest earlier occurrence
+    of the context's last n-gram (the longest of ``max_ngram`` down to 1 that occurs before). Needs no training."""
+
+    num_tokens: int = 10
+    max_ngram: int = 3
+
+    @property
+    def block_size(self) -> int:
+        return self.num_tokens + 1
+
+
+class PromptLookupProposer:
+    needs_hidden_states = False
+
+    def __init__(self, lookup: PromptLookup):
+        self.lookup = lookup
+
+    def observe(self, hidden_states, count: int, start: int) -> None:
+        pass
+
+    def propose(self, tokens: list[int], count: int) -> list[int]:
+        for n in range(min(self.lookup.max_ngram, len(tokens) - 1), 0, -1):
+            suffix = tokens[-n:]
+            for begin in range(len(tokens) - n - 1, -1, -1):  # the latest earlier occurrence
+                if tokens[begin : begin + n] == suffix:
+                    return tokens[begin + n : begin + n + count]
+        return []
+
+
 def _clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -65,7 +140,7 @@ def _crop(cache: DynamicCache, length: int) -> None:
 @torch.no_grad()
 def speculative_generate(
     target: Target,
-    drafter: DFlashDrafter | None,
+    drafter: DFlashDrafter | PromptLookup | None,
     input_ids: torch.Tensor,
     max_new_tokens: int,
     block_size: int | None = None,
@@ -73,7 +148,8 @@ def speculative_generate(
 ) -> Generation:
     """Greedy decoding of one prompt (``input_ids`` [1, S]); output identical to the target's own greedy decoding.
 
-    ``block_size`` defaults to the drafter's; 1 (or no drafter) is the autoregressive baseline.
+    ``drafter`` proposes the tokens to verify: a ``DFlashDrafter`` or a ``PromptLookup``. ``block_size`` (the
+    widest verify) defaults to the drafter's; 1 (or no drafter) is the autoregressive baseline.
     ``stop_token_ids`` defaults to the target's end-of-sequence tokens.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -84,18 +160,18 @@ def speculative_generate(
         block_size = drafter.block_size if drafter is not None else 1
     if block_size > 1 and drafter is None:
         raise ValueError(f"block_size={block_size} needs a drafter; use block_size=1 for the autoregressive baseline")
+    proposer = None
+    if block_size > 1:
+        proposer = PromptLookupProposer(drafter) if isinstance(drafter, PromptLookup) else DFlashProposer(target, drafter)
+    hidden_states = proposer is not None and proposer.needs_hidden_states
     device = target.device
     stop = set(target.eos_token_ids if stop_token_ids is None else stop_token_ids)
-    layer_ids = drafter.config.target_layer_ids if block_size > 1 else None
-    mask_token_id = drafter.mask_token_id if block_size > 1 else None
-    lm_head = target.lm_head
 
     input_ids = input_ids.to(device)
     prompt_len = input_ids.shape[1]
     max_len = prompt_len + max_new_tokens
     tokens = input_ids[0].tolist()
     target_cache = DynamicCache(config=target.config)
-    draft_cache = DraftCache()
     stats = DecodeStats(block_size=block_size, num_input_tokens=prompt_len, num_output_tokens=0)
 
     start_time = _clock(device)
@@ -104,14 +180,13 @@ def speculative_generate(
         position_ids=torch.arange(prompt_len, device=device)[None],
         cache=target_cache,
         use_cache=True,
-        output_hidden_states=block_size > 1,
+        output_hidden_states=hidden_states,
         logits_to_keep=1,
     )
     stats.target_forwards += 1
     tokens.append(int(out.logits[0, -1].argmax()))
-    # Context not yet in the drafter's cache: hidden states of positions [context_start, len(tokens) - 1).
-    context = select_features(out.hidden_states, layer_ids) if block_size > 1 else None
-    context_start = 0
+    if proposer is not None:
+        proposer.observe(out.hidden_states, prompt_len, 0)
     decode_start = _clock(device)
     stats.prefill_seconds = decode_start - start_time
 
@@ -119,30 +194,24 @@ def speculative_generate(
     start = len(tokens) - 1
     while tokens[-1] not in stop and len(tokens) < max_len:
         verify_size = min(block_size, max_len - start)
-        block = [tokens[-1]] + [mask_token_id] * (verify_size - 1)
-        block_ids = torch.tensor([block], device=device)
-        positions = torch.arange(start, start + verify_size, device=device)[None]
+        proposal = []
         if verify_size > 1:
-            hidden = drafter(
-                context_features=context,
-                block_embeddings=target.embed(block_ids),
-                context_positions=torch.arange(context_start, start, device=device)[None],
-                block_positions=positions,
-                cache=draft_cache,
-            )
-            block_ids[0, 1:] = lm_head(hidden[:, 1:].to(target.dtype)).argmax(-1)[0]
+            drafting = _clock(device)
+            proposal = proposer.propose(tokens, verify_size - 1)
+            stats.draft_seconds += _clock(device) - drafting
+        block_ids = torch.tensor([[tokens[-1]] + proposal], device=device)
         out = target.model(
             input_ids=block_ids,
-            position_ids=positions,
+            position_ids=torch.arange(start, start + block_ids.shape[1], device=device)[None],
             cache=target_cache,
             use_cache=True,
-            output_hidden_states=block_size > 1,
+            output_hidden_states=hidden_states,
         )
         stats.target_forwards += 1
         verified = out.logits[0].argmax(-1)
         agrees = (block_ids[0, 1:] == verified[:-1]).int()
         accepted = int(agrees.cumprod(0).sum())
-        committed = block_ids[0, 1 : accepted + 1].tolist() + [int(verified[accepted])]
+        committed = proposal[:accepted] + [int(verified[accepted])]
         for token in committed:
             tokens.append(token)
             if token in stop or len(tokens) >= max_len:
@@ -151,9 +220,8 @@ def speculative_generate(
         # The target has processed block positions 0..accepted; later positions were rejected.
         processed = accepted + 1
         _crop(target_cache, start + processed)
-        if block_size > 1:
-            context = select_features(out.hidden_states, layer_ids)[:, :processed]
-            context_start = start
+        if proposer is not None:
+            proposer.observe(out.hidden_states, processed, start)
         start += processed
     stats.decode_seconds = _clock(device) - decode_start
     new_tokens = torch.tensor(tokens[prompt_len:], dtype=torch.long)

@@ -7,10 +7,11 @@ Two topologies (``topology.kind``):
   trains data-parallel (DDP, or FSDP) over all ranks.
 * ``split``: ``topology.target_ranks`` ranks compute hidden states and send them,
   point to point, to the other ranks, which train the drafter data-parallel
-  (they hold the target too, for its frozen embedding and LM head).
+  (they hold only the target's frozen embedding and LM head, not its layers).
 
-With hidden states cached on disk (any topology), every rank computes a shard
-of the cache before training; split target ranks then have nothing left to do.
+With hidden states cached on disk (any topology), every rank holding the
+target's layers computes a shard of the cache before training; split target
+ranks then have nothing left to do.
 
 Ranks ``0..D-1`` train the drafter, the rest (split only) compute hidden
 states: global rank 0, which logs and writes checkpoints, always trains. Within
@@ -67,6 +68,12 @@ class Layout:
         """Split: the ranks after the drafter ranks, which compute hidden states and send them (none when colocated)."""
         return list(range(self.drafter_world, self.world))
 
+    @property
+    def layer_holders(self) -> list[int]:
+        """The ranks that hold the target's decoder layers and compute its hidden states: every rank when colocated,
+        the target ranks when split (whose drafter ranks hold only the embedding and the LM head)."""
+        return list(range(self.world)) if self.kind == "colocated" else self.target_ranks
+
 
 def single_process(device: torch.device | str = "cpu") -> Layout:
     return Layout(device=torch.device(device))
@@ -101,6 +108,12 @@ def init(topology: TopologyConfig) -> Layout:
         drafters = dist.new_group(list(range(drafter_world)), timeout=COLLECTIVE_TIMEOUT)  # every rank takes part in creating it
         group = drafters if rank < drafter_world else None
     return Layout(device, topology.kind, rank, world, local_rank, drafter_world, topology.data_parallel, group)
+
+
+def join(device: str) -> Layout:
+    """Join however many processes torchrun started (one, without torchrun), each on its own device: for a stage
+    whose result does not depend on the number of processes, such as data regeneration."""
+    return init(TopologyConfig(device=device, nproc_per_node=int(os.environ.get("WORLD_SIZE", "1"))))
 
 
 def shutdown(layout: Layout) -> None:

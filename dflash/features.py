@@ -1,6 +1,7 @@
-"""Where the drafter's context features (the target's hidden states) come from during training.
+"""Where the drafter's training inputs from the target come from: its hidden states and greedy tokens.
 
-Three sources, any topology: a disk cache computed once before training
+One teacher-forced forward pass over a sample gives both (``TargetRow``). Three
+sources, any topology: a disk cache computed once before training
 (``train.hidden_states: cache``), the target on the drafter's own rank
 (``online``, colocated), or target ranks computing them and sending them to the
 drafter ranks (``online``, split). Each is a callable ``(step, indices) -> rows``.
@@ -13,6 +14,7 @@ import json
 import logging
 import time
 from collections import deque
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dflash import distributed
-from dflash.batch import Schedule, pad_rows
+from dflash.batch import Schedule, TargetRow, pad_rows
 from dflash.distributed import Incoming, Layout, all_reduce_sum, routes, send_rows
 from dflash.io import atomic_path, atomic_write_text
 from dflash.target import Target
@@ -60,15 +62,17 @@ def total_rate(meter: Meter, layout: Layout) -> float:
     return float(rate[0])
 
 
-def target_features(target: Target, rows: list[list[int]], layer_ids: list[int], meter: Meter, token_budget: int = 8192) -> list[torch.Tensor]:
-    """The target's features of each row of token ids, ``[len(row), K*H]`` on the target's device."""
+def target_features(target: Target, rows: list[list[int]], layer_ids: list[int], meter: Meter, top_k: int = 0, token_budget: int = 8192) -> list[TargetRow]:
+    """The target's pass over each row of token ids, on the target's device (with its top-``top_k`` next tokens if asked)."""
     start = time.perf_counter()
-    out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+    out: list[TargetRow] = [None] * len(rows)  # type: ignore[list-item]
     for group in length_groups([len(r) for r in rows], token_budget):
         ids, mask = pad_rows([rows[i] for i in group], pad_value=0)
-        feats = target.features(ids.to(target.device), mask.to(target.device), layer_ids)
+        result = target.features(ids.to(target.device), mask.to(target.device), layer_ids, top_k)
         for r, i in enumerate(group):
-            out[i] = feats[r, : len(rows[i])]
+            n = len(rows[i])
+            top = (result.top_ids[r, :n], result.top_probs[r, :n]) if top_k else (None, None)
+            out[i] = TargetRow(result.features[r, :n], result.greedy[r, :n], *top)
     if target.device.type == "cuda":
         torch.cuda.synchronize(target.device)  # time the computation, not its launch
     meter.tokens += sum(len(r) for r in rows)
@@ -76,24 +80,38 @@ def target_features(target: Target, rows: list[list[int]], layer_ids: list[int],
     return out
 
 
-class HiddenStateCache:
-    """Target features of every sample, computed once and memory-mapped from disk (fp16, one row per token).
+def row_fields(width: int, top_k: int) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """The fields of a ``TargetRow`` as stored on disk: dtype and the shape of one token's entry."""
+    fields = {"features": (np.float16, (width,)), "greedy": (np.int32, ())}
+    if top_k:
+        fields |= {"top_ids": (np.int32, (top_k,)), "top_probs": (np.float16, (top_k,))}
+    return fields
 
-    Every rank of the run writes its own shard file, so a cache is built in
+
+class HiddenStateCache:
+    """The target's pass over every sample, computed once and memory-mapped from disk, one entry per token:
+    features in fp16, greedy tokens in int32 (and the top-k next tokens, for distillation).
+
+    Every rank of the run writes its own shard files, so a cache is built in
     parallel with no two processes writing one file (safe on any shared filesystem).
     """
 
-    FORMAT = 2  # 1: one features.npy written by one process
+    FORMAT = 3  # 2: features only
 
     def __init__(self, directory: Path):
         meta = json.loads((directory / "meta.json").read_text())
         self.key = meta["key"]
         self.location = np.asarray(meta["location"], dtype=np.int64)  # per sample: shard, first row, end row
-        self.shards = [np.load(directory / name, mmap_mode="r") for name in meta["shards"]]
+        self.shards = [{field: np.load(directory / f"{field}-{shard:03d}.npy", mmap_mode="r") for field in meta["fields"]} for shard in range(meta["shards"])]
 
-    def __getitem__(self, index: int) -> torch.Tensor:
+    def __getitem__(self, index: int) -> TargetRow:
         shard, begin, end = self.location[index]
-        return torch.from_numpy(np.asarray(self.shards[shard][begin:end], dtype=np.float32))
+        stored = {field: torch.from_numpy(np.asarray(array[begin:end])) for field, array in self.shards[shard].items()}
+        stored["features"] = stored["features"].float()
+        stored["greedy"] = stored["greedy"].long()
+        if "top_ids" in stored:
+            stored["top_ids"], stored["top_probs"] = stored["top_ids"].long(), stored["top_probs"].float()
+        return TargetRow(**stored)
 
     @classmethod
     def _holds(cls, meta_path: Path, key: str) -> bool:
@@ -103,8 +121,10 @@ class HiddenStateCache:
         return meta.get("format") == cls.FORMAT and meta.get("key") == key
 
     @staticmethod
-    def cache_key(samples: pd.DataFrame, target_source: str, layer_ids: list[int]) -> str:
-        digest = hashlib.sha256(json.dumps([target_source, list(layer_ids)]).encode())
+    def cache_key(samples: pd.DataFrame, target: Target | str, layer_ids: list[int], top_k: int = 0) -> str:
+        """A digest of what the cache holds: the samples' tokens, the target (source and dtype), the layers and top-k."""
+        described = [target, None] if isinstance(target, str) else [target.source, str(target.dtype)]
+        digest = hashlib.sha256(json.dumps([*described, list(layer_ids), top_k]).encode())
         for ids in samples["input_ids"]:
             digest.update(np.asarray(ids, dtype=np.int64).tobytes())
         return digest.hexdigest()[:16]
@@ -118,16 +138,17 @@ class HiddenStateCache:
         layer_ids: list[int],
         layout: Layout | None = None,
         meter: Meter | None = None,
+        top_k: int = 0,
         token_budget: int = 8192,
     ) -> HiddenStateCache:
-        """Compute (or reuse) the cache; every rank calls this and computes one shard (one process: all of it).
+        """Compute (or reuse) the cache; every rank calls this, and each holding the target's layers computes one shard.
 
         Shards and ``meta.json`` are written atomically, ``meta.json`` last: a
         crash, even kill -9, leaves no cache that would load.
         """
         layout = layout or distributed.single_process(target.device)
         meter = meter or Meter()
-        key = cls.cache_key(samples, target.source, layer_ids)
+        key = cls.cache_key(samples, target, layer_ids, top_k)
         meta_path = directory / "meta.json"
         if distributed.broadcast_from_main(layout.is_main and cls._holds(meta_path, key), layout):
             log.info("hidden-state cache hit: %s", directory)
@@ -136,15 +157,18 @@ class HiddenStateCache:
             # Invalidate the old cache before any of its shards is overwritten.
             directory.mkdir(parents=True, exist_ok=True)
             meta_path.unlink(missing_ok=True)
-            for old in directory.glob("features-*.npy"):
+            for old in directory.glob("*-[0-9][0-9][0-9].npy"):
                 old.unlink()
         distributed.barrier(layout)
         lengths = [len(ids) for ids in samples["input_ids"]]
-        # Rank r's shard holds every world-th sample by length from the r-th, so that shards cost about the same.
+        # The ranks holding the target's layers write one shard each: every n-th sample by length, so that shards cost about the same.
+        holders = layout.layer_holders
         by_length = sorted(range(len(lengths)), key=lambda i: lengths[i])
-        shards = [by_length[r :: layout.world] for r in range(min(layout.world, len(lengths)))]
-        if layout.rank < len(shards):
-            cls._write_shard(directory, layout.rank, shards[layout.rank], lengths, target, samples, layer_ids, meter, token_budget)
+        shards = [by_length[r :: len(holders)] for r in range(min(len(holders), len(lengths)))]
+        fields = row_fields(len(layer_ids) * target.hidden_size, top_k)
+        if layout.rank in holders[: len(shards)]:
+            shard = holders.index(layout.rank)
+            cls._write_shard(directory, shard, shards[shard], lengths, fields, target, samples, layer_ids, meter, top_k, token_budget)
         distributed.barrier(layout)  # every shard is in place
         if layout.is_main:
             location = np.zeros((len(lengths), 3), dtype=np.int64)
@@ -153,98 +177,128 @@ class HiddenStateCache:
                 for i in members:
                     location[i] = (shard, begin, begin + lengths[i])
                     begin += lengths[i]
-            names = [f"features-{shard:03d}.npy" for shard in range(len(shards))]
-            meta = {"format": cls.FORMAT, "key": key, "layer_ids": list(layer_ids), "shards": names, "location": location.tolist()}
+            meta = {
+                "format": cls.FORMAT,
+                "key": key,
+                "layer_ids": list(layer_ids),
+                "fields": list(fields),
+                "shards": len(shards),
+                "location": location.tolist(),
+            }
             atomic_write_text(meta_path, json.dumps(meta))
         distributed.barrier(layout)
         return cls(directory)
 
     @staticmethod
-    def _write_shard(directory, shard, members, lengths, target, samples, layer_ids, meter, token_budget) -> None:
+    def _write_shard(directory, shard, members, lengths, fields, target, samples, layer_ids, meter, top_k, token_budget) -> None:
         ends = np.cumsum([lengths[i] for i in members])
         row_of = {i: int(end) - lengths[i] for i, end in zip(members, ends)}
-        with atomic_path(directory / f"features-{shard:03d}.npy") as staging:
-            shape = (int(ends[-1]), len(layer_ids) * target.hidden_size)
-            store = np.lib.format.open_memmap(staging, mode="w+", dtype=np.float16, shape=shape)
-            bar = tqdm(total=int(ends[-1]), desc=f"caching target hidden states (shard {shard})", unit="tok", unit_scale=True, disable=shard != 0)
+        tokens = int(ends[-1])
+        with ExitStack() as stack:
+            paths = {field: stack.enter_context(atomic_path(directory / f"{field}-{shard:03d}.npy")) for field in fields}
+            stores = {
+                field: np.lib.format.open_memmap(paths[field], mode="w+", dtype=dtype, shape=(tokens, *shape)) for field, (dtype, shape) in fields.items()
+            }
+            bar = tqdm(total=tokens, desc=f"caching target hidden states (shard {shard})", unit="tok", unit_scale=True, disable=shard != 0)
             with bar:
                 for group in length_groups([lengths[i] for i in members], token_budget):
                     indices = [members[g] for g in group]
-                    rows = target_features(target, [samples["input_ids"].iloc[i] for i in indices], layer_ids, meter)
-                    for i, feats in zip(indices, rows):
-                        store[row_of[i] : row_of[i] + lengths[i]] = feats.float().cpu().numpy()
+                    rows = target_features(target, [samples["input_ids"].iloc[i] for i in indices], layer_ids, meter, top_k)
+                    for i, row in zip(indices, rows):
+                        for field, store in stores.items():
+                            store[row_of[i] : row_of[i] + lengths[i]] = getattr(row, field).float().cpu().numpy()
                     bar.update(sum(lengths[i] for i in indices))
-            store.flush()
-            del store
+            for store in stores.values():
+                store.flush()
+            del stores
 
 
 class CachedFeatures:
-    """Features read from the disk cache."""
+    """The target's rows read from the disk cache."""
 
     def __init__(self, store: HiddenStateCache):
         self.store = store
 
-    def __call__(self, step: int, indices: list[int]) -> list[torch.Tensor]:
+    def __call__(self, step: int, indices: list[int]) -> list[TargetRow]:
         return [self.store[i] for i in indices]
 
 
 class OnlineFeatures:
     """Colocated: this rank's own target computes the features of its share."""
 
-    def __init__(self, target: Target, samples: pd.DataFrame, layer_ids: list[int], meter: Meter):
-        self.target, self.samples, self.layer_ids, self.meter = target, samples, layer_ids, meter
+    def __init__(self, target: Target, samples: pd.DataFrame, layer_ids: list[int], meter: Meter, top_k: int = 0):
+        self.target, self.samples, self.layer_ids, self.meter, self.top_k = target, samples, layer_ids, meter, top_k
 
-    def __call__(self, step: int, indices: list[int]) -> list[torch.Tensor]:
-        return target_features(self.target, [self.samples["input_ids"].iloc[i] for i in indices], self.layer_ids, self.meter)
+    def __call__(self, step: int, indices: list[int]) -> list[TargetRow]:
+        return target_features(self.target, [self.samples["input_ids"].iloc[i] for i in indices], self.layer_ids, self.meter, self.top_k)
 
 
 class ReceivedFeatures:
-    """Split, drafter side: the features of this rank's share, sent by the target ranks.
+    """Split, drafter side: the target's rows of this rank's share, sent by the target ranks (one message per
+    field and route).
 
     The receives of the next step are posted before this step trains, so the
     transfer overlaps training.
     """
 
-    def __init__(self, layout: Layout, schedule: Schedule, lengths: list[int], width: int, dtype: torch.dtype):
-        self.layout, self.schedule, self.lengths, self.width, self.dtype = layout, schedule, lengths, width, dtype
-        self.pending: dict[int, list[tuple[list[int], Incoming]]] = {}
+    def __init__(self, layout: Layout, schedule: Schedule, lengths: list[int], width: int, dtype: torch.dtype, top_k: int = 0):
+        self.layout, self.schedule, self.lengths = layout, schedule, lengths
+        self.fields = _messages(width, dtype, top_k)
+        self.pending: dict[int, list[tuple[list[int], dict[str, Incoming]]]] = {}
 
     def _post(self, step: int) -> None:
         batch, layout = self.schedule.batch(step), self.layout
-        self.pending[step] = [
-            (positions, Incoming.post([self.lengths[batch[j]] for j in positions], self.width, self.dtype, layout.device, layout.target_ranks[t]))
-            for (t, d), positions in routes(len(batch), len(layout.target_ranks), layout.drafter_world).items()
-            if d == layout.rank
-        ]
+        self.pending[step] = []
+        for (t, d), positions in routes(len(batch), len(layout.target_ranks), layout.drafter_world).items():
+            if d == layout.rank:
+                lengths, src = [self.lengths[batch[j]] for j in positions], layout.target_ranks[t]
+                incoming = {field: Incoming.post(lengths, width, dtype, layout.device, src) for field, (dtype, width) in self.fields.items()}
+                self.pending[step].append((positions, incoming))
 
-    def __call__(self, step: int, indices: list[int]) -> list[torch.Tensor]:
+    def __call__(self, step: int, indices: list[int]) -> list[TargetRow]:
         if step not in self.pending:
             self._post(step)
         if step + 1 < self.schedule.total:
             self._post(step + 1)
-        received = {j: rows for positions, incoming in self.pending.pop(step) for j, rows in zip(positions, incoming.wait())}
+        received = {}
+        for positions, incoming in self.pending.pop(step):
+            fields = {field: message.wait() for field, message in incoming.items()}
+            for n, j in enumerate(positions):
+                row = {field: rows[n] for field, rows in fields.items()}
+                row["greedy"] = row["greedy"].squeeze(1)
+                received[j] = TargetRow(**row)
         return [received[j] for j in sorted(received)]  # position order is share order
 
 
+def _messages(width: int, dtype: torch.dtype, top_k: int) -> dict[str, tuple[torch.dtype, int]]:
+    """The fields of a ``TargetRow`` as sent between ranks, in order: dtype and width of one token's entry."""
+    fields = {"features": (dtype, width), "greedy": (torch.long, 1)}
+    if top_k:
+        fields |= {"top_ids": (torch.long, top_k), "top_probs": (torch.float32, top_k)}
+    return fields
+
+
 def serve_features(
-    layout: Layout, target: Target, samples: pd.DataFrame, layer_ids: list[int], schedule: Schedule, first: int, meter: Meter, depth: int = 2
+    layout: Layout, target: Target, samples: pd.DataFrame, layer_ids: list[int], schedule: Schedule, first: int, meter: Meter, top_k: int = 0, depth: int = 2
 ) -> None:
     """Split, target side: compute this rank's positions of every global batch and send each to the
     drafter rank that trains on it. Up to ``depth`` steps are in flight, so the target runs ahead of training."""
     senders = layout.target_ranks
     me = senders.index(layout.rank)
+    fields = _messages(len(layer_ids) * target.hidden_size, target.dtype, top_k)
     in_flight: deque[list] = deque()
     for step in tqdm(range(first, schedule.total), desc=f"serving hidden states (rank {layout.rank})", unit="step", disable=me != 0):
         batch = schedule.batch(step)
         mine = list(range(me, len(batch), len(senders)))
-        computed = dict(zip(mine, target_features(target, [samples["input_ids"].iloc[batch[j]] for j in mine], layer_ids, meter))) if mine else {}
-        in_flight.append(
-            [
-                send_rows([computed[j] for j in positions], dst=d)
-                for (t, d), positions in routes(len(batch), len(senders), layout.drafter_world).items()
-                if t == me
-            ]
-        )
+        rows = [samples["input_ids"].iloc[batch[j]] for j in mine]
+        computed = dict(zip(mine, target_features(target, rows, layer_ids, meter, top_k))) if mine else {}
+        sends = []
+        for (t, d), positions in routes(len(batch), len(senders), layout.drafter_world).items():
+            if t == me:
+                for field, (dtype, _) in fields.items():
+                    values = [getattr(computed[j], field).to(dtype) for j in positions]
+                    sends.append(send_rows([v[:, None] if v.dim() == 1 else v for v in values], dst=d))
+        in_flight.append(sends)
         while len(in_flight) > depth:
             for request, _ in in_flight.popleft():
                 request.wait()

@@ -7,7 +7,8 @@ authors' ``dflash`` package).
 
 The drafter never holds the target's embedding or LM head: callers embed the
 block with the target's frozen embedding and project the drafter's output
-with the target's frozen LM head.
+with the target's frozen LM head (its rows of the drafter's draft vocabulary,
+``dflash.vocab``, when it has one).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from torch import nn
 from dflash.attention import TrainingMask, attend
 from dflash.config import MIN_BLOCK_SIZE
 from dflash.errors import InputError, MissingInputError
-from dflash.io import atomic_path, atomic_write_text
+from dflash.io import atomic_path, atomic_write_text, discard
+from dflash.vocab import FILE_NAME as VOCAB_FILE
+from dflash.vocab import DraftVocab
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -337,6 +340,8 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.draft_vocab: DraftVocab | None = None  # None: drafts over the target's whole vocabulary
+        self.activation_checkpointing = False  # training: recompute each layer in the backward
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -377,17 +382,27 @@ class DFlashDrafter(nn.Module):
         context_rope = self.rotary(context_positions, dtype)
         hidden = block_embeddings
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, context, block_rope, context_rope, mask, cache, i)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # Recompute the layer in the backward instead of keeping its activations.
+                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, context, block_rope, context_rope, mask, cache, i, use_reentrant=False)
+            else:
+                hidden = layer(hidden, context, block_rope, context_rope, mask, cache, i)
         return self.norm(hidden)
 
     # -- checkpoint format -------------------------------------------------------------------
 
     def save_pretrained(self, directory: str | Path) -> Path:
-        """Write ``config.json`` and ``model.safetensors`` in the reference format, atomically per file."""
+        """Write ``config.json`` and ``model.safetensors`` in the reference format, and the draft vocabulary
+        if the drafter has one (``dflash.vocab``), atomically per file."""
         directory = Path(directory)
         state = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
         with atomic_path(directory / WEIGHTS_NAME) as staging:
             save_file(state, str(staging), metadata={"format": "pt"})
+        if self.draft_vocab is not None:
+            with atomic_path(directory / VOCAB_FILE) as staging:
+                self.draft_vocab.save(staging)
+        else:
+            discard(directory / VOCAB_FILE)
         # The config states the dtype the weights are stored in, which loaders honour.
         stored = dataclasses.replace(self.config, dtype=str(self.fc.weight.dtype).removeprefix("torch."))
         atomic_write_text(directory / CONFIG_NAME, json.dumps(stored.to_reference_dict(), indent=2) + "\n")
@@ -419,4 +434,5 @@ class DFlashDrafter(nn.Module):
             if state[name].shape != tensor.shape:
                 raise InputError(f"{weights_path}: {name} has shape {tuple(state[name].shape)}, config.json implies {tuple(tensor.shape)}")
         model.load_state_dict(state)
+        model.draft_vocab = DraftVocab.load(directory)
         return model.to(device=device, dtype=dtype)

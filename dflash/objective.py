@@ -3,7 +3,9 @@
 Shapes: a batch of ``b`` right-padded rows of length ``S``; ``A`` anchors per row;
 blocks of ``B`` tokens. Block position ``k`` of the block at anchor ``a`` is fed
 ``[token[a], MASK, ..., MASK]`` at positions ``a + k`` and trained to predict
-``token[a + k]``.
+the target's greedy continuation: ``token[a + k]`` on text the target wrote
+itself, and on other text (a dataset's own reply) the target's greedy token
+after ``a + k - 1``, for as long as the text agrees with that continuation.
 """
 
 from __future__ import annotations
@@ -62,8 +64,10 @@ class Blocks:
 
     input_ids: torch.Tensor  # [token at anchor, MASK x (B-1)] per block
     positions: torch.Tensor  # anchor + 0..B-1
-    labels: torch.Tensor  # token at anchor + k (0 where out of range)
-    weights: torch.Tensor  # loss weight; 0 at k=0, out of range, outside the loss mask, in padding blocks
+    labels: torch.Tensor  # the target's greedy token at anchor + k (0 where out of range)
+    weights: torch.Tensor  # loss weight; 0 at k=0, out of range, outside the loss mask, past a disagreement, in padding blocks
+    soft_ids: torch.Tensor | None = None  # [b, A*B, k]: the target's most likely tokens at anchor + k (distillation)
+    soft_probs: torch.Tensor | None = None  # [b, A*B, k]: their probabilities, summing to 1 over k
 
 
 def build_blocks(
@@ -74,7 +78,15 @@ def build_blocks(
     block_size: int,
     mask_token_id: int,
     gamma: float,
+    greedy: torch.Tensor | None = None,
+    soft: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Blocks:
+    """``greedy`` ``[b, S]``: the target's greedy next token after each position. Position ``k`` is then
+    labelled ``greedy[a + k - 1]`` and trained only where ``token[a + j] == greedy[a + j - 1]`` for every
+    ``0 < j < k``, so that its label is the target's own continuation of the block; without ``greedy``
+    (text the target wrote) the label is ``token[a + k]``. ``soft`` (with ``greedy``): the target's top-k
+    next tokens and their probabilities ``[b, S, k]`` after each position, gathered like the labels and
+    renormalised over the k."""
     batch, seq_len = input_ids.shape
     offsets = torch.arange(block_size, device=input_ids.device)
     positions = anchors[:, :, None] + offsets  # [b, A, B]
@@ -87,12 +99,27 @@ def build_blocks(
     decay = torch.exp(-(offsets - 1).clamp(min=0).float() / gamma)
     decay[0] = 0.0
     weights = decay * (in_range & in_loss & valid[:, :, None])
+    if greedy is not None:
+        predicted = greedy.gather(1, (positions - 1).clamp(min=0, max=seq_len - 1).flatten(1)).view_as(positions)
+        agrees = labels == predicted  # the text's token a+k is the target's greedy one
+        # Position k needs agreement at 1..k-1: an exclusive running product over the block.
+        follows = torch.cat([torch.ones_like(agrees[:, :, :2]), agrees[:, :, 1:-1]], dim=-1).cumprod(-1).bool()
+        weights = weights * follows
+        labels = predicted
+    soft_ids = soft_probs = None
+    if soft is not None:
+        at = (positions - 1).clamp(min=0, max=seq_len - 1).flatten(1)[:, :, None].expand(-1, -1, soft[0].shape[-1])
+        soft_ids = soft[0].gather(1, at)
+        soft_probs = soft[1].gather(1, at)
+        soft_probs = soft_probs / soft_probs.sum(-1, keepdim=True).clamp(min=1e-12)
     labels = labels.masked_fill(~in_range, 0)
     return Blocks(
         input_ids=block_ids.flatten(1),
         positions=positions.flatten(1),
         labels=labels.flatten(1),
         weights=weights.flatten(1),
+        soft_ids=soft_ids,
+        soft_probs=soft_probs,
     )
 
 
@@ -139,28 +166,33 @@ def position_accuracy(predictions: torch.Tensor, labels: torch.Tensor, weights: 
 class FrozenHeadCrossEntropy(torch.autograd.Function):
     """``decayed_loss`` through a frozen LM head, in row chunks: the loss training runs.
 
-    Never holds more than ``chunk`` rows of logits: the gradient with respect to
-    the hidden states is computed in the forward pass (the head is frozen, so
-    nothing else needs the logits). Also returns the top-1 predictions.
+    ``labels`` ``[N]`` are hard targets; ``[N, k]`` with ``probs`` ``[N, k]`` (rows summing to 1) are a
+    distribution over k tokens each, the target's own (distillation): the loss of a row is then its
+    cross-entropy against that distribution. Never holds more than ``chunk`` rows of logits: the
+    gradient with respect to the hidden states is computed in the forward pass (the head is frozen,
+    so nothing else needs the logits). Also returns the top-1 predictions. The head is never copied:
+    each chunk of hidden states is cast to the head's dtype, and the softmax is taken in fp32.
     """
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, weights, total, chunk):
+    def forward(ctx, hidden, head_weight, labels, weights, total, chunk, probs=None):
+        if labels.dim() == 1:
+            labels, probs = labels[:, None], torch.ones(labels.shape[0], 1, device=labels.device)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         predictions = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
         for begin in range(0, hidden.shape[0], chunk):
-            h = hidden[begin : begin + chunk]
-            logits = (h @ head_weight.to(h.dtype).t()).float()
-            y, w = labels[begin : begin + chunk], weights[begin : begin + chunk]
+            h = hidden[begin : begin + chunk].to(head_weight.dtype)
+            logits = (h @ head_weight.t()).float()
+            y, q, w = labels[begin : begin + chunk], probs[begin : begin + chunk].float(), weights[begin : begin + chunk]
             lse = torch.logsumexp(logits, dim=-1)
-            loss += ((lse - logits.gather(1, y[:, None]).squeeze(1)) * w).sum()
+            loss += ((lse - (logits.gather(1, y) * q).sum(1)) * w).sum()
             predictions[begin : begin + chunk] = logits.argmax(-1)
             if grad is not None:
-                probs = torch.exp(logits - lse[:, None])
-                probs[torch.arange(len(y), device=y.device), y] -= 1.0
-                probs *= (w / total)[:, None]
-                grad[begin : begin + chunk] = probs.to(h.dtype) @ head_weight.to(h.dtype)
+                softmax = torch.exp(logits - lse[:, None])
+                softmax.scatter_add_(1, y, -q)
+                softmax *= (w / total)[:, None]
+                grad[begin : begin + chunk] = softmax.to(head_weight.dtype) @ head_weight
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(predictions)
         return loss / total, predictions
@@ -168,4 +200,4 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_predictions):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None

@@ -22,14 +22,19 @@ def _save(fig, path: Path) -> None:
 
 
 def plot_training_curves(metrics: pd.DataFrame, path: Path) -> None:
-    """Loss and per-position accuracy against optimizer steps."""
+    """Loss, and per-position accuracy on the training batches (solid) beside the validation samples' (dashed, markers)."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.plot(metrics["step"], metrics["loss"], color="tab:blue")
     left.set(xlabel="step", ylabel="decayed loss", title="training loss")
     acc_columns = [c for c in metrics.columns if c.startswith("acc_")]
-    for column in acc_columns[:4] + acc_columns[-1:] if len(acc_columns) > 5 else acc_columns:
-        right.plot(metrics["step"], metrics[column], label=f"position {column.split('_')[1]}")
-    right.set(xlabel="step", ylabel="top-1 accuracy", title="accuracy per block position", ylim=(0, 1))
+    for i, column in enumerate(acc_columns[:4] + acc_columns[-1:] if len(acc_columns) > 5 else acc_columns):
+        position = column.split("_")[1]
+        color = f"C{i}"
+        right.plot(metrics["step"], metrics[column], color=color, label=f"position {position}")
+        validated = metrics[["step", f"val_{column}"]].dropna() if f"val_{column}" in metrics else pd.DataFrame()
+        if not validated.empty:
+            right.plot(validated["step"], validated[f"val_{column}"], color=color, linestyle="--", marker="o", markersize=3)
+    right.set(xlabel="step", ylabel="top-1 accuracy", title="accuracy per block position (dashed: validation)", ylim=(0, 1))
     right.legend(fontsize=8)
     _save(fig, path)
 
@@ -65,12 +70,19 @@ def plot_position_acceptance(per_prompt: dict[str, pd.DataFrame], path: Path) ->
 
 
 def plot_speedup(summary: pd.DataFrame, path: Path) -> None:
+    """The drafter's speedup per set beside prompt lookup's (which needs no training), τ on each bar."""
     fig, ax = plt.subplots(figsize=(7, 4))
-    bars = ax.bar(summary["set"], summary["speedup"], color="tab:green")
+    x = range(len(summary))
+    width = 0.38
+    arms = (("dflash", "speedup", "tau", "tab:green", -width / 2), ("prompt lookup", "pld_speedup", "pld_tau", "tab:gray", width / 2))
+    for label, speedup, tau, color, offset in arms:
+        bars = ax.bar([i + offset for i in x], summary[speedup], width, color=color, label=label)
+        for bar, value in zip(bars, summary[tau]):
+            ax.annotate(f"τ={value:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    for bar, tau in zip(bars, summary["tau"]):
-        ax.annotate(f"τ={tau:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(list(x), summary["set"])
     ax.set(ylabel="speedup in time per output token", title="speedup over autoregressive decoding")
+    ax.legend(fontsize=8)
     _save(fig, path)
 
 

@@ -10,6 +10,7 @@ take seconds.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -138,21 +139,42 @@ def resolve_source(source: str) -> str:
 
 
 @dataclass
+class TargetPass:
+    """The target's teacher-forced pass over a batch of token rows ``[b, S]``."""
+
+    features: torch.Tensor  # [b, S, K*H]: the selected layers' outputs concatenated (layer id i is hidden_states[i + 1])
+    greedy: torch.Tensor  # [b, S]: the greedy next token after each position
+    top_ids: torch.Tensor | None = None  # [b, S, k]: the k most likely next tokens, when asked for
+    top_probs: torch.Tensor | None = None  # [b, S, k]: their probabilities
+
+
+@dataclass
 class Target:
     """A frozen causal LM with the handles a drafter needs: layers' hidden states, embedding, LM head, tokenizer."""
 
     model: torch.nn.Module
     tokenizer: object
     source: str
+    full_config: object | None = None  # the target's own config when ``model`` was loaded without its decoder layers
 
     @classmethod
-    def load(cls, source: str = EMBEDDED, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Target:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def load(cls, source: str = EMBEDDED, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, layers: bool = True) -> Target:
+        """Load straight onto ``device``. ``layers=False`` loads only what a drafter rank uses, the embedding, the final
+        norm and the LM head, and none of the decoder layers (their weights are never read)."""
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         path = resolve_source(source)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-        return cls.from_model(model, tokenizer, source)
+        config = AutoConfig.from_pretrained(path)
+        shell = config if layers else copy.deepcopy(config)
+        if not layers:
+            shell.num_hidden_layers = 0
+            if hasattr(shell, "layer_types"):
+                shell.layer_types = []
+        model = AutoModelForCausalLM.from_pretrained(path, config=shell, dtype=dtype, device_map={"": torch.device(device)})
+        target = cls.from_model(model, tokenizer, source)
+        target.full_config = None if layers else config
+        return target
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer=None, source: str = "in-memory") -> Target:
@@ -163,7 +185,11 @@ class Target:
 
     @property
     def config(self):
-        return self.model.config
+        return self.full_config or self.model.config
+
+    @property
+    def has_layers(self) -> bool:
+        return self.full_config is None
 
     @property
     def num_layers(self) -> int:
@@ -216,10 +242,30 @@ class Target:
     # -- forward passes ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int]) -> torch.Tensor:
-        """Selected layers' outputs, concatenated: ``[b, S, len(layer_ids) * H]``. Layer id ``i`` is ``hidden_states[i + 1]``."""
+    def features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int], top_k: int = 0, head_chunk: int = 1024
+    ) -> TargetPass:
+        """What the drafter trains on, from one teacher-forced forward pass over ``input_ids`` ``[b, S]``
+        (the LM head applied ``head_chunk`` positions at a time, its softmax in fp32)."""
+        if not self.has_layers:
+            raise RuntimeError(f"target {self.source!r} was loaded without its decoder layers (layers=False): it has no hidden states to give")
         out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
-        return select_features(out.hidden_states, layer_ids)
+        last = out.last_hidden_state.flatten(0, 1)
+        greedy, top_ids, top_probs = [], [], []
+        for begin in range(0, last.shape[0], head_chunk):
+            logits = self.lm_head(last[begin : begin + head_chunk]).float()
+            greedy.append(logits.argmax(-1))
+            if top_k:
+                top = logits.topk(top_k, dim=-1)
+                top_ids.append(top.indices)
+                top_probs.append(torch.exp(top.values - torch.logsumexp(logits, dim=-1, keepdim=True)))
+        shape = input_ids.shape
+        return TargetPass(
+            features=select_features(out.hidden_states, layer_ids),
+            greedy=torch.cat(greedy).view(shape),
+            top_ids=torch.cat(top_ids).view(*shape, top_k) if top_k else None,
+            top_probs=torch.cat(top_probs).view(*shape, top_k) if top_k else None,
+        )
 
     # -- chat ---------------------------------------------------------------------------------------
 
@@ -232,19 +278,45 @@ class Target:
             ids = ids["input_ids"]
         return list(ids)
 
+    def reply_ids(self, messages: list[dict], prompt_ids: list[int], reply: str) -> list[int]:
+        """Token ids of ``reply`` as the chat template renders it after ``prompt_ids``, ending at the first stop token."""
+        ids = self.tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": reply}], tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        ids = list(ids)
+        if ids[: len(prompt_ids)] == prompt_ids:
+            ids = ids[len(prompt_ids) :]
+        else:  # a template that renders the prompt differently once it is answered: the reply's own tokens
+            ids = list(self.tokenizer.encode(reply, add_special_tokens=False)) + self.eos_token_ids[:1]
+        stop = set(self.eos_token_ids)
+        end = next((i + 1 for i, token in enumerate(ids) if token in stop), len(ids))
+        return ids[:end]
+
 
 def select_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
     """HF ``hidden_states`` (index 0 is the embedding output) → the drafter's context features."""
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
+def local_snapshot(source: str) -> str:
+    """A local model directory for ``source``: a hub id is downloaded (or found in the Hugging Face cache) once, here,
+    so that the stages after ``prepare_target`` load from disk and compute nodes need no network."""
+    resolved = resolve_source(source)
+    if local_path(resolved) is not None:
+        return str(Path(resolved).resolve())
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(resolved)
+
+
 def write_manifest(source: str, dtype: str, out: Path) -> dict:
     """The ``prepare_target`` stage: materialise the target and record what later stages load."""
-    target = Target.load(source, dtype=getattr(torch, dtype))
+    path = local_snapshot(source)
+    target = Target.load(path, dtype=getattr(torch, dtype))
     cfg = target.config
     manifest = {
         "source": source,
-        "path": resolve_source(source),
+        "path": path,
         "dtype": dtype,
         "architecture": type(target.model).__name__,
         "num_layers": target.num_layers,
@@ -259,10 +331,31 @@ def write_manifest(source: str, dtype: str, out: Path) -> dict:
     return manifest
 
 
-def load_from_manifest(path: str | Path, device: str | torch.device = "cpu") -> Target:
-    """The target a ``prepare_target`` manifest describes (re-fetched if its cache was cleared)."""
+def load_from_manifest(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, layers: bool = True) -> Target:
+    """The target a ``prepare_target`` manifest describes, in the manifest's dtype unless given: from the local
+    directory it recorded (from its source again only if that directory is gone, e.g. a cleared cache)."""
     path = Path(path)
     if not path.is_file():
         raise MissingInputError(f"{path} does not exist: run the prepare_target stage first")
     manifest = json.loads(path.read_text())
-    return Target.load(manifest["source"], device=device, dtype=getattr(torch, manifest["dtype"]))
+    recorded = manifest.get("path")
+    location = recorded if recorded and (Path(recorded) / "config.json").is_file() else manifest["source"]
+    target = Target.load(location, device=device, dtype=dtype or getattr(torch, manifest["dtype"]), layers=layers)
+    target.source = manifest["source"]
+    return target
+
+
+def preparation_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """The dtype of the target's passes that prepare training (regeneration, hidden states, greedy tokens, the frozen
+    embedding and head): they need no exactness, so ``auto`` is bf16 where the device computes it natively."""
+    if setting == "auto":
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    return getattr(torch, setting)
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes in bfloat16 natively (CUDA; CPUs with AVX-512 BF16 or AMX), where it is the fast dtype."""
+    if device.type == "cuda":
+        return True
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return device.type == "cpu" and any(probe() for probe in probes if probe is not None)

@@ -31,9 +31,10 @@ from dflash.compile_cache import compile_cache_hits, log_compile_cache_hits, use
 from dflash.config import DrafterConfig, TrainConfig
 from dflash.distributed import Layout, all_reduce_sum
 from dflash.features import CachedFeatures, HiddenStateCache, Meter, OnlineFeatures, ReceivedFeatures, serve_features, total_rate
-from dflash.model import DFlashConfig, DFlashDrafter
-from dflash.step import compile_drafter, drafter_config_for, normalise_globally, train_step
-from dflash.target import Target
+from dflash.model import DFlashConfig
+from dflash.step import compile_drafter, drafter_config_for, normalise_globally, train_step, training_drafter, validation_accuracy
+from dflash.target import Target, preparation_dtype
+from dflash.vocab import DraftVocab
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,10 @@ class TrainResult:
     world: int  # processes
     threads: int  # intra-op threads per process
     compile_cache: dict  # hits and misses of the whole run: a miss is a graph the warmup did not compile
+    draft_vocab: int | None = None  # tokens the drafter drafts (None: the target's whole vocabulary)
+    draft_vocab_coverage: float = 1.0  # the share of the training responses' tokens it holds
+    validation_accuracy: list[float] | None = None  # per block position 1..B-1 on the validation samples, at the end
+    peak_memory_gb: float | None = None  # CUDA: the most this rank's device held
 
 
 @dataclass(frozen=True)
@@ -66,10 +71,18 @@ class RunContext:
     out_dir: Path
     metrics_path: Path
     tracker: object | None = None
+    vocab: DraftVocab | None = None
+    validation: pd.DataFrame | None = None
+    checks: HiddenStateCache | None = None  # the target's rows of the validation samples
 
     @property
     def feature_width(self) -> int:
         return len(self.config.target_layer_ids) * self.config.hidden_size
+
+    def head(self) -> torch.Tensor:
+        """The frozen LM head rows the drafter projects onto."""
+        weight = self.target.lm_head.weight
+        return weight if self.vocab is None else self.vocab.head(weight)
 
 
 def lr_factor(step: int, total_steps: int, warmup_ratio: float) -> float:
@@ -103,32 +116,43 @@ def train_drafter(
     tracker=None,
     max_steps: int | None = None,
     layout: Layout | None = None,
+    validation: pd.DataFrame | None = None,
 ) -> TrainResult:
     """Train on this rank's part of the topology (one process: the whole run); resumes from the last complete checkpoint.
 
     Every rank of the run calls this. Rank 0 writes the metrics, the checkpoints and the drafter.
+    ``validation`` samples are never trained on: the per-position accuracy on them is logged.
     """
     layout = layout or distributed.single_process(target.device)
     config = drafter_config_for(target, drafter_cfg)
     schedule = Schedule.for_run(len(samples), cfg, seed, max_steps)
-    run = RunContext(target, samples, config, cfg, schedule, layout, checkpoint_dir, out_dir, metrics_path, tracker)
+    responses = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(samples["input_ids"], samples["loss_mask"])]
+    vocab = (
+        DraftVocab.most_frequent(responses, drafter_cfg.draft_vocab_size, target.config.vocab_size, target.eos_token_ids)
+        if drafter_cfg.draft_vocab_size
+        else None
+    )
     first, checkpoint = resume_point(checkpoint_dir, layout)
     meter, start = Meter(), time.perf_counter()
+    checks = None
+    if validation is not None and len(validation):
+        checks = HiddenStateCache.build(hidden_cache_dir.with_name(f"{hidden_cache_dir.name}-validation"), target, validation, config.target_layer_ids, layout)
+    run = RunContext(target, samples, config, cfg, schedule, layout, checkpoint_dir, out_dir, metrics_path, tracker, vocab, validation, checks)
     idle = TrainResult(schedule.total, first, float("nan"), 0.0, 0.0, 0.0, 0.0, layout.world, torch.get_num_threads(), {})  # a target rank's
     # The target's throughput is summed over the ranks where its work ends: once the cache is built (every rank
     # builds a shard; split target ranks then leave), or after an online run.
     if cfg.hidden_states == "cache":
-        source = CachedFeatures(HiddenStateCache.build(hidden_cache_dir, target, samples, config.target_layer_ids, layout, meter))
+        source = CachedFeatures(HiddenStateCache.build(hidden_cache_dir, target, samples, config.target_layer_ids, layout, meter, cfg.distill_top_k))
         target_rate = total_rate(meter, layout)
         result = _train(run, source, first, checkpoint) if layout.is_drafter else idle
     else:
         if layout.kind == "colocated":
-            result = _train(run, OnlineFeatures(target, samples, config.target_layer_ids, meter), first, checkpoint)
+            result = _train(run, OnlineFeatures(target, samples, config.target_layer_ids, meter, cfg.distill_top_k), first, checkpoint)
         elif layout.is_drafter:
             lengths = [len(ids) for ids in samples["input_ids"]]
-            result = _train(run, ReceivedFeatures(layout, schedule, lengths, run.feature_width, target.dtype), first, checkpoint)
+            result = _train(run, ReceivedFeatures(layout, schedule, lengths, run.feature_width, target.dtype, cfg.distill_top_k), first, checkpoint)
         else:
-            serve_features(layout, target, samples, config.target_layer_ids, schedule, first, meter)
+            serve_features(layout, target, samples, config.target_layer_ids, schedule, first, meter, cfg.distill_top_k)
             result = dataclasses.replace(idle, seconds=time.perf_counter() - start)
         target_rate = total_rate(meter, layout)
     return dataclasses.replace(result, target_tokens_per_second=target_rate)
@@ -138,12 +162,13 @@ def _train(run: RunContext, source, first: int, checkpoint: Path | None) -> Trai
     """A drafter rank's loop."""
     layout, cfg, config, schedule = run.layout, run.cfg, run.config, run.schedule
     torch.manual_seed(schedule.seed)
-    drafter = DFlashDrafter(config).to(layout.device)
+    drafter = training_drafter(config, cfg, layout.device)
     distributed.shard(drafter, layout)
     forward = distributed.replicate(compile_drafter(drafter, cfg.compile), layout)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, schedule.total, cfg.warmup_ratio))
     lengths = [len(ids) for ids in run.samples["input_ids"]]
+    head = run.head()
     progress = Progress.fresh(config.block_size)
     if checkpoint is not None:
         progress = load_checkpoint(checkpoint, drafter, optimizer, scheduler, layout)
@@ -162,11 +187,11 @@ def _train(run: RunContext, source, first: int, checkpoint: Path | None) -> Trai
             share = rank_slice(global_batch, layout.rank, layout.drafter_world)
             rows = source(step, share)
             if share:
-                batch = make_batch(run.samples, share, rows, config, cfg, schedule.seed, epoch)
+                batch = make_batch(run.samples, share, rows, config, cfg, schedule.seed, epoch, run.vocab)
             else:
                 batch = idle_batch(run.samples, global_batch[0], run.feature_width, config, cfg)
             normalise_globally(batch, layout)
-            loss, correct, counted, grad_norm = train_step(forward, drafter, optimizer, run.target, batch, cfg)
+            loss, correct, counted, grad_norm = train_step(forward, drafter, optimizer, run.target, batch, cfg, head)
             scheduler.step()
             # One all-reduce for the metrics: each rank's loss is its share of the global loss, times the ranks.
             stats = all_reduce_sum(torch.cat([loss.detach().reshape(1).double(), correct.double(), counted.double()]), layout).cpu()
@@ -193,6 +218,13 @@ def _train(run: RunContext, source, first: int, checkpoint: Path | None) -> Trai
                     "tokens_per_s": tokens_seen / elapsed,
                 }
                 row.update({f"acc_{k}": acc[k] for k in range(1, config.block_size)})
+                checked = run.checks is not None and (done % cfg.validate_every == 0 or done == schedule.total)
+                validated = (
+                    validation_accuracy(drafter, run.target, head, run.validation, run.checks, config, cfg, run.vocab, layout, schedule.seed)
+                    if checked
+                    else [float("nan")] * config.block_size
+                )
+                row.update({f"val_acc_{k}": validated[k] for k in range(1, config.block_size)})
                 progress.rows.append(row)
                 progress.correct.zero_()
                 progress.counted.zero_()
@@ -203,7 +235,7 @@ def _train(run: RunContext, source, first: int, checkpoint: Path | None) -> Trai
             if done % cfg.checkpoint_every == 0 and done < schedule.total:
                 save_checkpoint(run.checkpoint_dir, done, drafter, optimizer, scheduler, progress, layout)
     end = time.perf_counter()
-    save_drafter(drafter, config, run.out_dir, layout)
+    save_drafter(drafter, config, run.out_dir, layout, run.vocab)
     if layout.is_main:
         # The run is complete: its checkpoints would only let a later rerun (of changed code, say) resume stale state.
         shutil.rmtree(run.checkpoint_dir, ignore_errors=True)
@@ -219,6 +251,12 @@ def _train(run: RunContext, source, first: int, checkpoint: Path | None) -> Trai
         world=layout.world,
         threads=torch.get_num_threads(),
         compile_cache=compile_cache_hits() if cfg.compile else {},
+        draft_vocab=len(run.vocab) if run.vocab is not None else None,
+        draft_vocab_coverage=run.vocab.coverage([t for ids, mask in zip(run.samples["input_ids"], run.samples["loss_mask"]) for t, m in zip(ids, mask) if m])
+        if run.vocab is not None
+        else 1.0,
+        validation_accuracy=[progress.rows[-1][f"val_acc_{k}"] for k in range(1, config.block_size)] if run.checks is not None else None,
+        peak_memory_gb=round(torch.cuda.max_memory_allocated(layout.device) / 1e9, 2) if layout.device.type == "cuda" else None,
     )
 
 
@@ -236,6 +274,7 @@ def run_train_stage(sections: dict, args) -> TrainResult:
     layout = distributed.init(topology)
     verdicts = check_preflight(args.preflight, topology)
     samples = read_samples(args.samples)
+    validation = read_samples(args.validation, allow_empty=True) if args.validation else None
     if sections["train"].compile and layout.is_drafter:
         warmup = verdicts.get(f"warmup_cache/{device_name(topology.device, layout.local_rank)}")
         if warmup is None:
@@ -246,7 +285,8 @@ def run_train_stage(sections: dict, args) -> TrainResult:
             cold = sorted(set(shapes) - {tuple(shape) for shape in warmup["shapes"]})
             if cold:
                 log.warning("the warmup did not compile %d batch shape(s) (rows, length) of this run: %s; those compile cold", len(cold), cold[:8])
-    target = load_from_manifest(args.target_manifest, device=layout.device)
+    dtype = preparation_dtype(sections["train"].target_dtype, layout.device)
+    target = load_from_manifest(args.target_manifest, device=layout.device, dtype=dtype, layers=layout.rank in layout.layer_holders)
     run_config = {key: json.loads(canonical_json(value)) for key, value in sections.items()} | {"seed": args.seed}
     fingerprint = config_hash(run_config | {"samples": HiddenStateCache.cache_key(samples, target.source, [])})
     out_dir = Path(args.out_dir)
@@ -265,6 +305,7 @@ def run_train_stage(sections: dict, args) -> TrainResult:
         metrics_path=out_dir / "metrics.csv",
         tracker=tracker,
         layout=layout,
+        validation=validation,
     )
     if layout.is_main:
         where = f"{topology.kind} {topology.nnodes}x{topology.nproc_per_node} {topology.device}"

@@ -49,13 +49,13 @@ def run(spec: dict) -> None:
     steps: list[dict] = []
     original = dflash.train.train_step
 
-    def recording_step(forward, drafter, optimizer, target, batch, cfg):
+    def recording_step(forward, drafter, optimizer, target, batch, cfg, head=None):
         if spec.get("crash_at") is not None and len(steps) == spec["crash_at"]:
             os._exit(17)  # a crash between two steps: no cleanup, as after kill -9
         # The rows must hold the target's own features of these samples, however they got here.
-        expected = [target.features(torch.tensor([samples["input_ids"].iloc[i]]), None, layer_ids)[0] for i in batch.indices]
+        expected = [target.features(torch.tensor([samples["input_ids"].iloc[i]]), None, layer_ids).features[0] for i in batch.indices]
         error = max((float((batch.features[r, : len(e)] - e).abs().max()) for r, e in enumerate(expected)), default=0.0)
-        result = original(forward, drafter, optimizer, target, batch, cfg)
+        result = original(forward, drafter, optimizer, target, batch, cfg, head)
         steps.append({"indices": batch.indices, "feature_error": error, "weights": weights_digest(drafter)})
         return result
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import EOS, MASK, build_drafter, build_target, llama_config, qwen3_config, random_prompt
 
-from dflash.decode import speculative_generate
+from dflash.decode import DFlashProposer, PromptLookup, PromptLookupProposer, speculative_generate
+from dflash.vocab import DraftVocab
 
 _GREEDY_MEMO: dict = {}
 
@@ -196,3 +197,46 @@ def test_always_wrong_drafter_gains_nothing_and_loses_nothing():
     assert gen.stats.acceptance_lengths == [1] * 16
     assert gen.stats.tau == 1.0 and gen.stats.target_forwards == 17
     assert gen.stats.per_position_acceptance == [0.0] * 7
+
+
+# -- prompt lookup --------------------------------------------------------------------------------------
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_earlier_ngram():
+    propose = PromptLookupProposer(PromptLookup(num_tokens=3, max_ngram=2)).propose
+    assert propose([5, 6, 7, 8, 9, 6, 7], 3) == [8, 9, 6]  # "6 7" first stood at 1..2, followed by 8 9 6
+    assert propose([1, 2, 3, 4, 3], 3) == [4, 3]  # "4 3" never stood before; "3" did, at 2: 4 3 followed
+    assert propose([7, 1, 7, 2, 7], 3) == [2, 7]  # the latest earlier "7" (at 2), not the first
+    assert propose([1, 2, 3], 3) == []  # nothing repeats: a plain autoregressive step
+    assert propose([4, 4, 4, 4], 2) == [4]  # "4 4" at 1..2 is followed by the last 4 only
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 10])
+def test_prompt_lookup_is_lossless(num_tokens):
+    """An 8-token vocabulary makes repeats, and so accepted lookups, frequent."""
+    config = qwen3_config(vocab_size=8, eos_token_id=None, pad_token_id=0)
+    target = build_target(config, seed=0)
+    accepted = []
+    for length, seed in ((5, 0), (8, 1), (11, 2)):
+        ids = torch.randint(0, 7, (1, length), generator=torch.Generator().manual_seed(seed))
+        gen = speculative_generate(target, PromptLookup(num_tokens=num_tokens), ids, 32)
+        assert gen.tokens.tolist() == greedy(target, ids, 32)
+        check_stats(gen, num_tokens + 1, 32)
+        accepted += gen.stats.acceptance_lengths
+    assert max(accepted) > 1, "no lookup was accepted: the test did not exercise verification"
+
+
+# -- a draft vocabulary ---------------------------------------------------------------------------------
+
+
+def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(qwen3_target, monkeypatch):
+    drafter = build_drafter(qwen3_target.config, seed=3, init_std=0.2)
+    drafter.draft_vocab = DraftVocab.of(list(range(0, 128, 3)), 128)
+    proposed = []
+    original = DFlashProposer.propose
+    monkeypatch.setattr(DFlashProposer, "propose", lambda self, tokens, count: proposed.append(original(self, tokens, count)) or proposed[-1])
+    for length, seed in PROMPTS:
+        ids = random_prompt(length, seed)
+        gen = speculative_generate(qwen3_target, drafter, ids, MAX_NEW, block_size=8)
+        assert gen.tokens.tolist() == greedy(qwen3_target, ids, MAX_NEW)
+    assert proposed and all(token % 3 == 0 for proposal in proposed for token in proposal)

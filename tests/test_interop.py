@@ -168,7 +168,7 @@ def authors_run(authors_package, tmp_path_factory, qwen3_target, llama_target):
     # One drafter forward, no cache: context of S=9 positions (two rows), a block of 8 at positions 9..16.
     seq, block = 9, qwen3_drafter.block_size
     ids = torch.cat([random_prompt(seq + 1, 40), random_prompt(seq + 1, 41)])
-    features = qwen3_target.features(ids[:, :seq], None, qwen3_drafter.config.target_layer_ids)
+    features = qwen3_target.features(ids[:, :seq], None, qwen3_drafter.config.target_layer_ids).features
     block_ids = torch.cat([ids[:, seq:], torch.full((2, block - 1), MASK)], dim=1)
     inputs = {
         "context_ids": ids[:, :seq],

@@ -370,3 +370,44 @@ def test_weights_with_missing_or_extra_tensors_are_named(saved_drafter):
     save_file({**state, "fc.weight": torch.zeros(64, 128)}, str(path))
     with pytest.raises(ValueError, match=r"fc.weight has shape \(64, 128\), config.json implies \(64, 192\)"):
         DFlashDrafter.from_pretrained(directory)
+
+
+def test_flex_kernels_are_wrapped_once_by_mask_building_never_inside_a_trace():
+    """torch.compile called inside a Dynamo trace returns the raw function: the compiled kernels are made once, by
+    build_training_mask (which never runs traced), and a mask carries its kernel to attend."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash.attention import compiled_flex_kernels
+
+    first, second = compiled_flex_kernels(), compiled_flex_kernels()
+    assert first is second and all(hasattr(kernel, "_torchdynamo_orig_callable") for kernel in first)
+    mask = build_training_mask(torch.tensor([[2, 5]]), torch.tensor([[True, True]]), 8, 4, "flex")
+    assert mask.kernel is flex_attention  # the CPU runs flex eagerly (forward only); CUDA gets first[1]
+
+
+def test_activation_checkpointing_gives_the_same_gradients(tiny_drafter_config):
+    """Recomputing each layer in the backward (train.activation_checkpointing) changes memory, not the result."""
+    from dflash.config import TrainConfig
+    from dflash.preflight.synthetic import synthetic_batch
+    from dflash.step import drafter_loss, training_drafter
+
+    cfg = TrainConfig(max_anchors=3, activation_checkpointing=True)
+    batch = synthetic_batch(tiny_drafter_config, [30, 24], cfg)
+    head = torch.randn(tiny_drafter_config.vocab_size, tiny_drafter_config.hidden_size)
+
+    class Target:  # the frozen pieces drafter_loss reads
+        device = torch.device("cpu")
+        embed = torch.nn.Embedding(tiny_drafter_config.vocab_size, tiny_drafter_config.hidden_size)
+        lm_head = torch.nn.Linear(tiny_drafter_config.hidden_size, tiny_drafter_config.vocab_size, bias=False)
+
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        drafter = training_drafter(tiny_drafter_config, dataclasses.replace(cfg, activation_checkpointing=checkpointing), torch.device("cpu"))
+        assert drafter.activation_checkpointing is checkpointing
+        loss = drafter_loss(drafter, Target, batch, "sdpa", 64, head)[0]
+        loss.backward()
+        grads.append((loss.item(), [p.grad.clone() for p in drafter.parameters()]))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-6)
+    for plain, recomputed in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(plain, recomputed, rtol=1e-5, atol=1e-7)

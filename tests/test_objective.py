@@ -114,6 +114,29 @@ def test_build_blocks_on_a_hand_made_case():
     assert blocks.weights.flatten().nonzero().squeeze(1).tolist() == [1, 2, 5, 7]
 
 
+def test_greedy_labels_follow_the_targets_continuation_until_the_text_leaves_it():
+    """A reply the target did not write: position k predicts the target's greedy token after a+k-1, and trains
+    only while the reply's tokens a+1..a+k-1 are the ones the target would have written."""
+    #                              0   1   2   3   4   5   6   7
+    input_ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17]])
+    # The target's greedy next token after each position: it agrees with the text after 1 (12), 2 (13) and
+    # 4 (15), writes 40 after 3 (the text has 14) and 41 after 5 (the text has 16).
+    greedy = torch.tensor([[11, 12, 13, 40, 15, 41, 17, 0]])
+    loss_mask = torch.ones(1, 8)
+    anchors, valid = torch.tensor([[1, 4]]), torch.tensor([[True, True]])
+    blocks = build_blocks(input_ids, loss_mask, anchors, valid, block_size=4, mask_token_id=MASK_ID, gamma=1e9, greedy=greedy)
+    assert blocks.input_ids.tolist() == [[11, MASK_ID, MASK_ID, MASK_ID, 14, MASK_ID, MASK_ID, MASK_ID]]
+    # Labels: greedy[a + k - 1] (position 0 never trains). Weights (no decay at gamma 1e9): after anchor 1 the text
+    # agrees at 2 (12) and 3 (13), so position 3, which needs both, trains (label 40, the target's token after 3);
+    # after anchor 4 it agrees at 5 (15), not at 6 (16, where the target writes 41): position 2 trains, 3 does not.
+    assert blocks.labels.tolist() == [[11, 12, 13, 40, 40, 15, 41, 17]]
+    assert blocks.weights.tolist() == [[0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]]
+    # Text the target wrote itself: its greedy tokens are the next tokens, and the labels are the text's own.
+    own = build_blocks(input_ids, loss_mask, anchors, valid, 4, MASK_ID, 1e9, greedy=torch.cat([input_ids[:, 1:], input_ids[:, :1]], 1))
+    plain = build_blocks(input_ids, loss_mask, anchors, valid, 4, MASK_ID, 1e9)
+    assert torch.equal(own.labels, plain.labels) and torch.equal(own.weights, plain.weights)
+
+
 def test_block_weights_follow_the_recipes_decay():
     input_ids = torch.arange(40)[None]
     loss_mask = torch.ones(1, 40)

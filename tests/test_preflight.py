@@ -112,7 +112,7 @@ def test_env_check_rejects_more_cpu_processes_than_cores_and_too_little_disk(tmp
 
 def test_import_lines_are_the_packages_own():
     lines = import_lines()
-    assert any(where.startswith("dflash/train.py:") for where in lines["from dflash.model import DFlashConfig, DFlashDrafter"])
+    assert any(where.startswith("dflash/checkpoint.py:") for where in lines["from dflash.model import DFlashConfig, DFlashDrafter"])
     assert not any(line.startswith("from __future__") for line in lines)
 
 
@@ -366,3 +366,17 @@ def test_warmup_second_start_runs_from_the_cache(tmp_path, tiny_target_manifest,
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     assert use_warm_cache(read_verdict(out, "warmup_cache")) == cache.resolve()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache.resolve())
+
+
+def test_a_run_that_would_not_fit_fails_the_warmup_naming_the_keys(tmp_path, tiny_target_manifest):
+    from dflash.config import DrafterConfig
+    from dflash.preflight.warmup import WarmupVerdict, check_memory
+
+    verdict = WarmupVerdict(shapes=[[8, 4096]])
+    huge = TrainConfig(max_anchors=2_000_000, precision="fp32")  # some hundred GB of activations
+    check_memory(verdict, "cpu", tiny_target_manifest, DrafterConfig(num_context_features=2, block_size=4), huge, TopologyConfig())
+    assert not verdict.ok and verdict.memory["estimate"] > verdict.memory["available"]
+    assert "train.activation_checkpointing" in verdict.problems[0] and "train.max_anchors" in verdict.problems[0]
+    small = WarmupVerdict(shapes=[[2, 64]])
+    check_memory(small, "cpu", tiny_target_manifest, DrafterConfig(num_context_features=2, block_size=4), TrainConfig(max_anchors=3), TopologyConfig())
+    assert small.ok and 0 < small.memory["estimate"] < small.memory["available"]

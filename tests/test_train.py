@@ -26,6 +26,30 @@ def test_frozen_head_cross_entropy_matches_autograd_of_the_decayed_loss():
     assert torch.equal(predictions, (hidden @ head.t()).argmax(-1))
 
 
+def test_frozen_head_cross_entropy_against_a_distribution_matches_autograd():
+    """Distillation: each row's target is the target's top-k distribution; a one-hot distribution is the hard label."""
+    torch.manual_seed(1)
+    hidden = torch.randn(21, 16, requires_grad=True)
+    head = torch.randn(40, 16)
+    ids = torch.stack([torch.randperm(40)[:5] for _ in range(21)])
+    probs = torch.softmax(torch.randn(21, 5), -1)
+    weights, total = torch.rand(21), torch.tensor(7.0)
+    loss, predictions = FrozenHeadCrossEntropy.apply(hidden, head, ids, weights, total, 4, probs)
+    loss.backward()
+    chunked_grad = hidden.grad.clone()
+    hidden.grad = None
+    log_probs = torch.log_softmax(hidden @ head.t(), -1)
+    reference = -((log_probs.gather(1, ids) * probs).sum(1) * weights).sum() / total
+    reference.backward()
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    torch.testing.assert_close(chunked_grad, hidden.grad, rtol=1e-5, atol=1e-7)
+    assert torch.equal(predictions, (hidden @ head.t()).argmax(-1))
+    labels = ids[:, 0]
+    one_hot, _ = FrozenHeadCrossEntropy.apply(hidden, head, labels[:, None], weights, total, 4, torch.ones(21, 1))
+    hard, _ = FrozenHeadCrossEntropy.apply(hidden, head, labels, weights, total, 4)
+    assert one_hot.item() == pytest.approx(hard.item(), rel=1e-7)
+
+
 def test_sampled_positions_are_unbiased_and_cheaper():
     decay = torch.exp(-torch.arange(15.0) / 7.0)
     weights = torch.cat([torch.zeros(1), decay]).repeat(4, 1)  # 4 blocks of B=16, position 0 unweighted
@@ -76,3 +100,34 @@ def test_cpu_threads_share_the_cores_among_local_processes(monkeypatch):
     monkeypatch.setenv("DFLASH_CPU_THREADS", "two")
     with pytest.raises(ValueError, match="DFLASH_CPU_THREADS='two'"):
         cpu_threads()
+
+
+def test_the_frozen_head_is_never_copied():
+    """A bf16 head and fp32 hidden states (the drafter's RMSNorm returns fp32): chunks are cast to the head's dtype,
+    never the head to theirs. An 8B target's head is 2.5 GB in fp32, and the loss runs in dozens of chunks a step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    head = torch.randn(50, 16, dtype=torch.bfloat16)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    labels, weights = torch.randint(0, 50, (37,)), torch.rand(37)
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.of_head = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            copies = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default, torch.ops.aten.clone.default)
+            storage = head.untyped_storage().data_ptr()
+            if func in copies and any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == storage for a in args):
+                self.of_head.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Copies() as watch:
+        loss, _ = FrozenHeadCrossEntropy.apply(hidden, head, labels, weights, weights.sum(), 8)
+        loss.backward()
+    assert watch.of_head == []
+    assert loss.dtype == torch.float32 and hidden.grad.dtype == torch.float32 and torch.isfinite(hidden.grad).all()
+    reference = decayed_loss(hidden.detach().bfloat16() @ head.t(), labels, weights)
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-2)

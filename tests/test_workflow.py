@@ -46,7 +46,21 @@ PREFLIGHT = {"env_check", "smoke_imports", "repro_fx_race", "warmup_cache"}
 TRAIN_JOBS = {"prepare_target", "prepare_data", "train"} | PREFLIGHT
 EVALUATE_JOBS = TRAIN_JOBS | {"evaluate"}
 ALL_JOBS = EVALUATE_JOBS | {"report", "all"}
-SUMMARY_COLUMNS = ["set", "prompts", "block_size", "tau", "speedup", "tpot_ar_ms", "tpot_dflash_ms", "lossless"]
+SUMMARY_COLUMNS = [
+    "set",
+    "prompts",
+    "block_size",
+    "tau",
+    "speedup",
+    "tpot_ar_ms",
+    "tpot_dflash_ms",
+    "lossless",
+    "pld_tau",
+    "pld_speedup",
+    "tpot_pld_ms",
+    "pld_lossless",
+    "device",
+]
 EVAL_SETS = ["chat", "local", "humaneval"]
 
 _JOB = re.compile(r"^(?:local)?rule (\w+):\s*$", re.MULTILINE)
@@ -287,6 +301,9 @@ def test_evaluation_summary_is_lossless_on_every_set(e2e):
     assert summary["lossless"].tolist() == [True, True, True]
     assert (summary["tau"] >= 1.0).all() and (summary["tau"] <= 4.0).all()
     assert (summary["speedup"] > 0).all()
+    # The prompt-lookup arm decodes the same prompts in the same loop, as losslessly.
+    assert summary["pld_lossless"].tolist() == [True, True, True] and (summary["pld_tau"] >= 1.0).all() and (summary["pld_speedup"] > 0).all()
+    assert (summary["device"] == "cpu").all()
     for name in EVAL_SETS:
         rows = pd.read_csv(results / "eval" / f"{name}.csv")
         assert len(rows) == 2 and rows["lossless"].all()
@@ -314,14 +331,19 @@ def test_drafter_checkpoint_loads(e2e):
 def test_training_metrics_and_warm_start(e2e, test_config):
     results = e2e["workdir"] / "results"
     card = json.loads((results / "data" / "card.json").read_text())
-    assert card["prompts"] == 12 and card["heldout_prompts"] == 2 and card["samples"] == card["train_prompts"] == 10
+    # 16 prompts; the hash split holds 4 out: 2 to evaluate, 2 to validate; the other 12 train.
+    assert card["prompts"] == 16 and card["heldout_prompts"] == 2 and card["validation_samples"] == 2 and card["samples"] == card["train_prompts"] == 12
     train = test_config["train"]
     steps = math.ceil(card["samples"] / train["batch_size"]) * train["epochs"]
     summary = json.loads((results / "train" / "summary.json").read_text())
     assert summary["steps"] == steps
     metrics = pd.read_csv(results / "train" / "metrics.csv")
     assert metrics["step"].tolist() == list(range(1, steps + 1))  # log_every: 1
-    assert {"loss", "grad_norm", "lr", "acc_1", "acc_2", "acc_3"} <= set(metrics.columns)
+    assert {"loss", "grad_norm", "lr", "acc_1", "acc_2", "acc_3", "val_acc_1", "val_acc_2", "val_acc_3"} <= set(metrics.columns)
+    # The validation accuracy is measured on held-out samples at the end at least (and every validate_every steps).
+    assert metrics["val_acc_1"].notna().iloc[-1] and summary["validation_accuracy"] == pytest.approx(
+        metrics[["val_acc_1", "val_acc_2", "val_acc_3"]].iloc[-1].tolist()
+    )
     assert metrics["loss"].notna().all() and (metrics["loss"] > 0).all()
     # Training compiled nothing cold: every graph of the whole run came from the cache warmup_cache filled,
     # which warmed in training's conditions (its threads), so that the first step is as fast as the warmup's warm one.
@@ -522,3 +544,39 @@ def test_a_code_change_reruns_the_jobs_that_run_it(e2e, module, expected):
         path.write_text(text)
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert jobs(result) == expected, readable(result.output, 120)
+
+
+def _planned_resources(result: subprocess.CompletedProcess) -> list[tuple[str, dict[str, str]]]:
+    """Each planned job's rule, wildcards and resources, from a dry run's job listing."""
+    planned = []
+    for block in re.split(r"\n(?=(?:local)?rule \w+:)", result.output):
+        header = _JOB.match(block)
+        resources = re.search(r"^\s+resources: (.*)$", block, re.MULTILINE)
+        wildcards = re.search(r"^\s+wildcards: (.*)$", block, re.MULTILINE)
+        if header and resources:
+            values = dict(item.split("=", 1) for item in resources.group(1).split(", "))
+            planned.append((header.group(1), values | ({"wildcards": wildcards.group(1)} if wildcards else {})))
+    return planned
+
+
+def test_the_slurm_profile_plans_gpus_for_every_job_that_touches_one(tmp_path):
+    """A dry run of the two-node SLURM config: every job on a device asks for the GPUs it uses."""
+    workdir = make_workdir(tmp_path / "work")
+    for name in ("gpu-8x.yaml", "slurm-2x8.yaml"):
+        shutil.copy2(ROOT / "config" / name, workdir / "config" / name)
+    args = ["-n", "--profile", "workflow/profiles/slurm", "--configfile", "config/gpu-8x.yaml", "config/slurm-2x8.yaml"]
+    result = run_snakemake(workdir, snakemake_env(tmp_path / "scratch"), *args, timeout=300)
+    planned = _planned_resources(result)
+    gpus = {}
+    for rule, resources in planned:
+        key = f"{rule}/{resources['wildcards']}" if "wildcards" in resources else rule
+        gpus[key] = int(resources.get("gpu", 0))
+    assert gpus["env_check"] == 8  # counts the node's GPUs
+    assert gpus["smoke_imports"] == gpus["repro_fx_race"] == gpus["evaluate"] == 1
+    # cudaN compiles for cuda:N: the job sees GPUs 0..N.
+    assert {key: value for key, value in gpus.items() if key.startswith("warmup_cache")} == {f"warmup_cache/device=cuda{i}": i + 1 for i in range(8)}
+    assert gpus["prepare_data"] == gpus["train"] == 16  # every GPU of both nodes regenerates, then trains
+    resources = dict(planned)
+    assert resources["train"]["nodes"] == resources["prepare_data"]["nodes"] == "2"
+    assert int(resources["prepare_data"]["runtime"]) >= 1440 and int(resources["train"]["runtime"]) >= 1440
+    assert gpus["prepare_target"] == gpus["report"] == 0

@@ -121,6 +121,10 @@ TRAIN_PROMPTS = [
     "Explain what a cache is.",
     "Write a function to map keys to values.",
     "Tell me about the river in the city.",
+    "Write a function that sorts a list of numbers.",
+    "Why is a cache fast?",
+    "Tell me a story about a tree by the river.",
+    "How do I print a string in python?",
 ]
 EVAL_PROMPTS = ["What is a draft model?", "Write a test for a sort function.", "Tell me about trees."]
 

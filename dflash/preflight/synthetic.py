@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dflash.batch import Batch, make_batch
+from dflash.batch import Batch, TargetRow, make_batch
 from dflash.config import TrainConfig
 from dflash.model import DFlashConfig
 from dflash.target import Target
@@ -52,9 +52,10 @@ def synthetic_samples(lengths: list[int], vocab_size: int, seed: int = 0) -> pd.
 
 
 def synthetic_batch(config: DFlashConfig, lengths: list[int], cfg: TrainConfig, seed: int = 0) -> Batch:
-    """One training batch of rows with these lengths, built by ``make_batch`` on random target features."""
+    """One training batch of rows with these lengths, built by ``make_batch`` on random target features,
+    as if the target had written the rows (its greedy tokens are the rows' own next tokens)."""
     samples = synthetic_samples(lengths, config.vocab_size, seed)
     generator = torch.Generator().manual_seed(seed)
     width = len(config.target_layer_ids) * config.hidden_size
-    features = [torch.randn(length, width, generator=generator) for length in lengths]
-    return make_batch(samples, list(range(len(lengths))), features, config, cfg, seed, epoch=0)
+    rows = [TargetRow(torch.randn(len(ids), width, generator=generator), torch.tensor(ids[1:] + ids[:1])) for ids in samples["input_ids"]]
+    return make_batch(samples, list(range(len(lengths))), rows, config, cfg, seed, epoch=0)

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -59,6 +59,7 @@ class WarmupVerdict(Verdict):
     cold_process_seconds: float = 0.0  # whole processes: interpreter, imports, target, steps
     warm_process_seconds: float = 0.0
     graphs: int = 0  # graphs the cold process compiled: one per size range inductor specialised on
+    memory: dict = field(default_factory=dict)  # GB: the estimated peak of a drafter rank by part (dflash.cost), and what the device has
     cache_mb: float = 0.0
     cold: dict = field(default_factory=dict)  # each process's own report: startup, steps, cache counters, compile phases
     warm: dict = field(default_factory=dict)
@@ -89,10 +90,9 @@ def _compile_seconds() -> float:
 def _step_main(spec: dict, report_path: Path) -> None:
     """One process's warmup: the training step on a batch of each shape, timed, with cache counters."""
     start = time.perf_counter()
-    from dflash.model import DFlashDrafter
     from dflash.preflight.synthetic import synthetic_batch
-    from dflash.step import compile_drafter, drafter_config_for, train_step
-    from dflash.target import load_from_manifest
+    from dflash.step import compile_drafter, drafter_config_for, train_step, training_drafter
+    from dflash.target import load_from_manifest, preparation_dtype
 
     use_compile_cache(spec["cache_dir"])
     device = torch.device(spec["device"])
@@ -101,9 +101,9 @@ def _step_main(spec: dict, report_path: Path) -> None:
     torch.set_num_threads(cpu_threads(spec["local_processes"]))
     drafter_cfg = parse_section(DrafterConfig, spec["drafter"], "drafter")
     train_cfg = parse_section(TrainConfig, spec["train"], "train")
-    target = load_from_manifest(spec["target_manifest"], device=device)
+    target = load_from_manifest(spec["target_manifest"], device=device, dtype=preparation_dtype(train_cfg.target_dtype, device))
     config = drafter_config_for(target, drafter_cfg)
-    drafter = DFlashDrafter(config).to(device)
+    drafter = training_drafter(config, train_cfg, device)
     forward = compile_drafter(drafter, enabled=True)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
     report: dict = {"startup_seconds": time.perf_counter() - start, "threads": torch.get_num_threads(), "steps": []}
@@ -121,6 +121,7 @@ def _step_main(spec: dict, report_path: Path) -> None:
                 "seconds": time.perf_counter() - t,
                 "compile_seconds": _compile_seconds() - compiling,
                 "graphs_compiled": compile_cache_hits()["frames_compiled"] - frames,
+                "peak_memory_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None,
             }
         )
     report["cache"] = compile_cache_hits()
@@ -183,6 +184,10 @@ def warmup_cache(
     torch_device, env = _device_env(device)
     lengths = [len(ids) for ids in read_samples(samples)["input_ids"]]
     verdict.shapes = [list(shape) for shape in step_shapes(lengths, train, drafter_world(topology))]
+    check_memory(verdict, torch_device, target_manifest, drafter, train, topology)
+    if not verdict.ok:
+        verdict.summarize(f"{device}: not warmed, the run would not fit")
+        return verdict
     # A leftover cache would make the cold start warm and the measurement meaningless.
     shutil.rmtree(cache_dir, ignore_errors=True)
     cache_dir.mkdir(parents=True)
@@ -216,6 +221,47 @@ def warmup_cache(
         f"{verdict.warm_first_step_seconds:.1f} s first step; cache {verdict.cache_mb} MB at {cache_dir}"
     )
     return verdict
+
+
+def check_memory(verdict: WarmupVerdict, device: str, target_manifest, drafter: DrafterConfig, train: TrainConfig, topology: TopologyConfig) -> None:
+    """The estimated peak memory of a drafter rank on its largest batch (``dflash.cost``) against the device's:
+    a run that would not fit fails here, before anything compiles, naming the keys that make it smaller."""
+    import psutil
+    from transformers import AutoConfig
+
+    from dflash.cost import Shape, drafter_rank_memory
+    from dflash.model import DFlashConfig
+    from dflash.target import preparation_dtype
+
+    manifest = json.loads(Path(target_manifest).read_text())
+    target_config = AutoConfig.from_pretrained(manifest.get("path") or manifest["source"])
+    shape = {k: v for k, v in asdict(drafter).items() if k not in ("mask_token_id", "draft_vocab_size")}
+    drafter_config = DFlashConfig.for_target(target_config, mask_token_id=0, **shape)
+    rows, length = max(verdict.shapes, key=lambda s: s[0] * s[1])
+    torch_device = torch.device(device)
+    dtype = preparation_dtype(train.target_dtype, torch_device)
+    memory = drafter_rank_memory(
+        Shape.of(target_config),
+        Shape.of(drafter_config) if drafter.draft_vocab_size is None else replace(Shape.of(drafter_config), vocab=drafter.draft_vocab_size),
+        len(drafter_config.target_layer_ids) * drafter_config.hidden_size,
+        rows,
+        length,
+        train,
+        drafter_config.block_size,
+        target_bytes=torch.finfo(dtype).bits // 8,
+        holds_layers=topology.kind == "colocated",
+        shards=drafter_world(topology) if topology.data_parallel == "fsdp" else 1,
+    )
+    available = torch.cuda.get_device_properties(torch_device).total_memory if torch_device.type == "cuda" else psutil.virtual_memory().available
+    gb = {name: value / 1e9 for name, value in asdict(memory).items()} | {"estimate": memory.total / 1e9, "available": available / 1e9}
+    verdict.memory = {name: float(f"{value:.3g}") for name, value in gb.items()}
+    if memory.total > 0.95 * available:
+        parts = ", ".join(f"{name} {value / 1e9:.1f} GB" for name, value in asdict(memory).items())
+        verdict.fail(
+            f"a drafter rank on {device} would need about {memory.total / 1e9:.1f} GB for its largest batch ({rows} rows of {length} tokens: {parts}) "
+            f"of the {available / 1e9:.1f} GB there: set train.activation_checkpointing: true, lower train.max_anchors or train.batch_size "
+            "(or data.max_length), or shard the training state with topology.data_parallel: fsdp"
+        )
 
 
 def _judge(verdict: WarmupVerdict) -> None:

@@ -133,20 +133,29 @@ def local_inputs(source, embedded=None):
     return []
 
 
-# gpu_dev0..N: one resource per local GPU. The local GPU profile (workflow/profiles/local-8gpu) allows each once,
-# so that two jobs never share a device; without a profile they do not limit anything.
-LOCAL_GPUS = max(8, CFG.topology.nproc_per_node)
+# Every job that touches a GPU declares it. `gpu` is the GPUs the job must see (SLURM: --gpus); gpu_dev0..N
+# are the local GPUs it computes on, one resource each, which the local GPU profile (workflow/profiles/local-8gpu)
+# allows once, so that two jobs never share a device (without a profile they do not limit anything).
+CUDA = CFG.topology.device == "cuda"
+NODE_GPUS = CFG.topology.nproc_per_node
+LOCAL_GPUS = max(8, NODE_GPUS)
 
 
-def device_resources(devices):
-    """The gpu_dev<i> resources of a job using the local GPUs ``devices`` (indices, or a function of the wildcards giving them)."""
+def gpu_resources(visible, devices):
+    """The resources of a job that sees ``visible`` GPUs and computes on the local ``devices`` (indices); either may be
+    a function of the wildcards. Nothing on a CPU topology."""
+    if not CUDA:
+        return {"gpu": 0}
+    resources = {"gpu": visible}
     if callable(devices):
-        return {f"gpu_dev{i}": (lambda wc, i=i: int(i in devices(wc))) for i in range(LOCAL_GPUS)}
-    return {f"gpu_dev{i}": int(i in devices) for i in range(LOCAL_GPUS)}
+        resources |= {f"gpu_dev{i}": (lambda wc, i=i: int(i in devices(wc))) for i in range(LOCAL_GPUS)}
+    else:
+        resources |= {f"gpu_dev{i}": int(i in devices) for i in range(LOCAL_GPUS)}
+    return resources
 
 
-def train_launcher(topology):
-    """The command that starts training's processes, one per device, for ``python -m dflash train``.
+def launcher(topology):
+    """The command that starts a stage's processes, one per device, for ``python -m dflash train`` or ``prepare-data``.
 
     A resource, not a param: changing how processes start never retrains. Override it per
     site with a profile (``set-resources: train: launcher: ...``).

@@ -3,7 +3,7 @@
 
 rule evaluate:
     input:
-        package("target", "data", "model", "attention", "decode", "evaluate"),
+        package("target", "data", "model", "attention", "decode", "evaluate", "preflight/gate"),
         # Evaluation sets read from local prompt files.
         [f for s in CFG.eval.sets if s.source not in ("heldout", "humaneval") for f in local_inputs(s.source)],
         manifest=rules.prepare_target.output[0],
@@ -18,11 +18,16 @@ rule evaluate:
         per_set=expand(f"{RESULTS}/eval/{{name}}.csv", name=[s.name for s in CFG.eval.sets]),
     params:
         eval=section("eval"),
+        # Which device decodes: the first GPU on GPU configs.
+        topology=section("topology", only=["device"]),
         out_dir=lambda wc, output: Path(output.summary).parent,
+    resources:
+        # Decoding runs on the first device, which no other job shares meanwhile.
+        **gpu_resources(1, [0]),
     conda:
         ENV
     log:
         f"{LOGS}/evaluate.log",
     shell:
-        "python -m dflash evaluate --eval {params.eval:q} --target-manifest {input.manifest} "
+        "python -m dflash evaluate --eval {params.eval:q} --topology {params.topology:q} --target-manifest {input.manifest} "
         "--drafter {input.drafter} --heldout {input.heldout} --out-dir {params.out_dir} > {log} 2>&1"

@@ -7,6 +7,9 @@ rule env_check:
         package("preflight/__init__", "preflight/verdict", "preflight/env_check"),
     output:
         f"{RESULTS}/preflight/env.json",
+    resources:
+        # It counts the node's GPUs against the topology: it must see them all.
+        **gpu_resources(NODE_GPUS, range(NODE_GPUS)),
     params:
         topology=section("topology"),
         preflight=section("preflight", only=["min_free_disk_gb"]),
@@ -27,6 +30,9 @@ rule smoke_imports:
         rules.env_check.output,
     output:
         f"{RESULTS}/preflight/smoke_imports.json",
+    resources:
+        # A tiny drafter's step on each attention backend, on the first device.
+        **gpu_resources(1, [0]),
     params:
         topology=section("topology"),
     conda:
@@ -48,8 +54,7 @@ rule repro_fx_race:
         preflight=section("preflight", only=["repro_fx_race"]),
     resources:
         # The race runs on the first device.
-        gpu=int(CFG.topology.device == "cuda"),
-        **device_resources([0] if CFG.topology.device == "cuda" else []),
+        **gpu_resources(1, [0]),
     conda:
         ENV
     log:
@@ -78,8 +83,8 @@ rule warmup_cache:
         # The cache outlives the job's declared output on purpose: training reads it.
         cache_dir=lambda wc: f"{RESULTS}/cache/compile/{wc.device}",
     resources:
-        gpu=lambda wc: 0 if wc.device == "cpu" else 1,
-        **device_resources(lambda wc: [] if wc.device == "cpu" else [int(wc.device.removeprefix("cuda"))]),
+        # cudaN compiles for cuda:N, so the job sees the node's GPUs up to N (and computes on N alone).
+        **gpu_resources(lambda wc: 0 if wc.device == "cpu" else int(wc.device.removeprefix("cuda")) + 1, lambda wc: [] if wc.device == "cpu" else [int(wc.device.removeprefix("cuda"))]),
     conda:
         ENV
     log:

@@ -6,6 +6,7 @@ rule train:
         package("train"),
         manifest=rules.prepare_target.output[0],
         samples=rules.prepare_data.output.samples,
+        validation=rules.prepare_data.output.validation,
         preflight=[
             rules.env_check.output[0],
             rules.smoke_imports.output[0],
@@ -28,11 +29,10 @@ rule train:
         checkpoint_dir=f"{RESULTS}/cache/train",
     resources:
         # All GPUs of the job (SLURM: --gpus, with --nodes); locally, one gpu_dev<i> per device it runs on.
-        gpu=CFG.topology.nnodes * CFG.topology.nproc_per_node if CFG.topology.device == "cuda" else 0,
+        **gpu_resources(CFG.topology.nnodes * NODE_GPUS, range(NODE_GPUS)),
         nodes=CFG.topology.nnodes,
         tasks=CFG.topology.nnodes,
-        **device_resources(range(CFG.topology.nproc_per_node) if CFG.topology.device == "cuda" else []),
-        launcher=train_launcher(CFG.topology),
+        launcher=launcher(CFG.topology),
         # Where the run is logged, not what it computes: a resource, so changing it never retrains.
         tracking=section("tracking"),
     conda:
@@ -42,5 +42,5 @@ rule train:
     shell:
         "{resources.launcher} -m dflash train --drafter {params.drafter:q} --train {params.train:q} "
         "--topology {params.topology:q} --tracking {resources.tracking:q} --seed {params.seed} "
-        "--target-manifest {input.manifest} --samples {input.samples} --preflight {input.preflight} "
+        "--target-manifest {input.manifest} --samples {input.samples} --validation {input.validation} --preflight {input.preflight} "
         "--out-dir {params.out_dir} --checkpoint-dir {params.checkpoint_dir} > {log} 2>&1"
