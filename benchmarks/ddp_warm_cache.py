@@ -43,9 +43,9 @@ def step(mode: str, device: str) -> dict:
     if mode != "plain":
         if mode == "ddp-split":
             torch._dynamo.config.optimize_ddp = True  # Dynamo's default, which compile_drafter turns off
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=0, world_size=1)
+            dist._DEFAULT_FIRST_BUCKET_BYTES = 1024  # DDPOptimizer requires first bucket <= the others; the tiny drafter needs KB buckets to split
+        # A one-process group in memory: no port to collide with another run.
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=dist.HashStore(), rank=0, world_size=1)
         forward = DistributedDataParallel(forward, device_ids=[torch.device(device)] if device.startswith("cuda") else None, bucket_cap_mb=0.001)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
     train_step(forward, drafter, optimizer, target, synthetic_batch(config, [40, 33], cfg), cfg)

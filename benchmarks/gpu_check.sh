@@ -6,7 +6,9 @@
 # Without a GPU it runs the same path on the CPU (SDPA, since flex has no CPU backward), so that it is tested.
 #
 #   benchmarks/gpu_check.sh                      # about 5 minutes on one GPU
-#   PROMPTS=16 NEW_TOKENS=32 STEPS=16 EVAL=2 benchmarks/gpu_check.sh   # the CPU-sized run of the tests
+#   PROMPTS=16 NEW_TOKENS=32 STEPS=16 EVAL=2 benchmarks/gpu_check.sh   # a CPU-sized run
+# TARGET, PROMPT_SOURCE and DRAFT_VOCAB take another target, prompt source and draft vocabulary size
+# (tests/test_benchmarks.py runs the script on the tiny chat target of the workflow tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -15,20 +17,23 @@ PROMPTS=${PROMPTS:-256}        # prompts regenerated
 NEW_TOKENS=${NEW_TOKENS:-128}  # per response, and per evaluated prompt
 STEPS=${STEPS:-200}            # about: epochs are chosen to give at least this many steps
 EVAL=${EVAL:-8}                # prompts per evaluation set
+TARGET=${TARGET:-embedded}
+PROMPT_SOURCE=${PROMPT_SOURCE:-sharegpt}
+DRAFT_VOCAB=${DRAFT_VOCAB:-8192}   # null: the target's whole vocabulary
 
 device=$($PY -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 if [ "$device" = cuda ]; then backend=flex; precision=bf16; warm=cuda0; else backend=sdpa; precision=auto; warm=cpu; fi
 mkdir -p "$OUT"
 stage() { local name=$1; shift; local start=$SECONDS; "$PY" -m dflash "$@" > "$OUT/$name.log" 2>&1 || { tail -n 40 "$OUT/$name.log"; exit 1; }; echo "$name: $((SECONDS - start)) s"; }
 
-data=$($PY -c "import json,sys; print(json.dumps({'prompts': {'source': 'sharegpt', 'limit': int(sys.argv[1])}, 'heldout_limit': int(sys.argv[3]), 'validation': 8, 'max_length': 512, 'max_prompt_length': 256, 'generation': {'max_new_tokens': int(sys.argv[2]), 'batch_size': 32, 'chunk_size': 64}}))" "$PROMPTS" "$NEW_TOKENS" "$EVAL")
+data=$($PY -c "import json,sys; print(json.dumps({'prompts': {'source': sys.argv[4], 'limit': int(sys.argv[1])}, 'heldout_limit': int(sys.argv[3]), 'validation': 8, 'max_length': 512, 'max_prompt_length': 256, 'generation': {'max_new_tokens': int(sys.argv[2]), 'batch_size': 32, 'chunk_size': 64}}))" "$PROMPTS" "$NEW_TOKENS" "$EVAL" "$PROMPT_SOURCE")
 epochs=$($PY -c "import math,sys; print(max(1, math.ceil(int(sys.argv[1]) / math.ceil(int(sys.argv[2]) / 8))))" "$STEPS" "$PROMPTS")
-drafter='{"block_size": 4, "draft_vocab_size": 8192}'
+drafter="{\"block_size\": 4, \"draft_vocab_size\": $DRAFT_VOCAB}"
 train=$($PY -c "import json,sys; print(json.dumps({'epochs': int(sys.argv[1]), 'batch_size': 8, 'max_anchors': 64, 'attention_backend': sys.argv[2], 'precision': sys.argv[3], 'compile': True, 'log_every': 10, 'validate_every': 50}))" "$epochs" "$backend" "$precision")
 topology=$($PY -c "import json,sys; print(json.dumps({'device': sys.argv[1]}))" "$device")
 warmup_train=$($PY -c "import json,sys; t=json.loads(sys.argv[1]); [t.pop(k) for k in ('epochs','log_every','validate_every')]; print(json.dumps(t))" "$train")
 
-stage prepare_target prepare-target --target '{"source": "embedded"}' --out "$OUT/target.json"
+stage prepare_target prepare-target --target "{\"source\": \"$TARGET\"}" --out "$OUT/target.json"
 stage prepare_data prepare-data --data "$data" --topology "$topology" --target-manifest "$OUT/target.json" --out-dir "$OUT/data" --chunk-dir "$OUT/chunks"
 stage warmup_cache warmup-cache --device "$warm" --drafter "$drafter" --train "$warmup_train" --topology "$topology" \
   --target-manifest "$OUT/target.json" --samples "$OUT/data/train.parquet" --cache-dir "$OUT/compile" --out "$OUT/warmup.json"

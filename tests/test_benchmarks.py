@@ -32,3 +32,43 @@ def test_bigram_table_predicts_the_most_frequent_follower():
     test = ~train
     # 1 → 5 (seen twice against 6 once): right; 2 → 7 but the answer is 8: wrong; 3 never seen: wrong.
     assert data_ceiling.bigram_accuracy(current, following, train, test) == pytest.approx(1 / 3)
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_its_whole_path_on_the_cpu(tmp_path):
+    """benchmarks/gpu_check.sh without a GPU: regeneration, warmup, training, evaluation and the DDP cache check,
+    on the tiny chat target, printing the figures it promises."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tiny_chat_target import build_tiny_inputs
+
+    tiny = build_tiny_inputs(tmp_path / "tiny")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Tell me fact number {i} about rivers."}) + "\n" for i in range(40)))
+    root = Path(__file__).resolve().parents[1]
+    env = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        OUT=str(tmp_path / "out"),
+        TARGET=str(tiny / "target"),
+        PROMPT_SOURCE=str(prompts),
+        DRAFT_VOCAB="null",
+        PROMPTS="24",
+        NEW_TOKENS="8",
+        STEPS="4",
+        EVAL="1",
+        TQDM_DISABLE="1",
+    )
+    done = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check.sh")], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert "device: cpu" in lines
+    for stage in ("prepare_target", "prepare_data", "warmup_cache", "train", "evaluate", "ddp_warm_cache"):
+        assert any(line.startswith(f"{stage}: ") for line in lines), stage
+    assert any(line.startswith("chat: tau ") and line.endswith("lossless True") for line in lines), lines
+    assert any(line.startswith("humaneval: tau ") for line in lines)
+    assert any("training: " in line and "peak memory" in line for line in lines)
+    assert (tmp_path / "out" / "train" / "drafter" / "model.safetensors").exists()
