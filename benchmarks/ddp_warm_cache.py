@@ -49,10 +49,7 @@ def step(mode: str, device: str) -> dict:
         forward = DistributedDataParallel(forward, device_ids=[torch.device(device)] if device.startswith("cuda") else None, bucket_cap_mb=0.001)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
     train_step(forward, drafter, optimizer, target, synthetic_batch(config, [40, 33], cfg), cfg)
-    hits = compile_cache_hits()
-    if mode != "plain":
-        dist.destroy_process_group()
-    return hits
+    return compile_cache_hits()
 
 
 def main() -> None:
@@ -61,13 +58,15 @@ def main() -> None:
     parser.add_argument("--step", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.step:
-        print(json.dumps(step(args.step, args.device)))
-        return
+        print(json.dumps(step(args.step, args.device)), flush=True)
+        # No teardown: destroying a gloo group under a live DDP reducer can hang joining gloo's threads
+        # (seen on torch 2.13), and this process has printed all it measures.
+        os._exit(0)
     results = {}
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         for mode in ("plain", "ddp", "ddp-split"):
-            done = subprocess.run([sys.executable, __file__, "--device", args.device, "--step", mode], env=env, capture_output=True, text=True)
+            done = subprocess.run([sys.executable, __file__, "--device", args.device, "--step", mode], env=env, capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
                 raise SystemExit(f"{mode} failed:\n{done.stderr[-3000:]}")
             results[mode] = json.loads(done.stdout.strip().splitlines()[-1])
