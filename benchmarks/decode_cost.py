@@ -63,14 +63,14 @@ def target_costs(target, context: int, widths: list[int], repeats: int) -> dict[
 
 
 @torch.no_grad()
-def draft_costs(target, drafter, context: int, repeats: int) -> dict[str, float]:
-    """Milliseconds of one draft step: the drafter's forward over its block (with ``context`` cached keys), and the head."""
+def draft_costs(target, drafter, block_size: int, context: int, repeats: int) -> dict[str, float]:
+    """Milliseconds of one draft step at ``block_size`` (the evaluation's): the drafter's forward over the block
+    (with ``context`` cached keys), and the head."""
     from dflash.decode import DFlashProposer
     from dflash.model import DraftCache
 
     proposer = DFlashProposer(target, drafter)
     width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
-    block_size = drafter.block_size
     cache = DraftCache()
     drafter(
         torch.randn(1, context, width), target.embed(torch.zeros(1, 1, dtype=torch.long)), torch.arange(context)[None], torch.tensor([[context]]), cache=cache
@@ -120,7 +120,7 @@ def main() -> None:
     block_size = int(summary["block_size"].iloc[0])
     widths = sorted({1, 2, 4, 8, block_size})
     costs = target_costs(target, args.context, widths, args.repeats)
-    draft = draft_costs(target, drafter, args.context, args.repeats)
+    draft = draft_costs(target, drafter, block_size, args.context, args.repeats)
     one = costs[1]
     per_position = acceptance(args.results, summary)
 

@@ -3,7 +3,7 @@ and the peak memory of a drafter rank.
 
 Estimates, not measurements: matrix products count 2 FLOPs per multiply-add, a training product 3 times
 its forward (forward, input gradient, weight gradient; 2 for the frozen head). ``benchmarks/train_throughput.py``
-prints the balance they imply for a config, ``env_check`` compares the memory estimate with the devices'.
+prints the balance they imply for a config; ``warmup_cache`` compares the memory estimate with the device's.
 """
 
 from __future__ import annotations

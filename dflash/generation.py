@@ -40,7 +40,7 @@ from dflash.config import GenerationConfig, ServerConfig
 from dflash.distributed import Layout
 from dflash.errors import InputError
 from dflash.io import atomic_path
-from dflash.target import Target
+from dflash.target import Target, until_stop
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +55,6 @@ class Request:
 
 
 # -- engines ------------------------------------------------------------------------------------------
-
-
-def _until_stop(tokens: list[int], stop: set[int]) -> list[int]:
-    """The tokens up to and including the first stop token."""
-    end = next((i + 1 for i, token in enumerate(tokens) if token in stop), len(tokens))
-    return tokens[:end]
 
 
 class LocalEngine:
@@ -91,7 +85,7 @@ class LocalEngine:
             hf = HFGenerationConfig(max_new_tokens=settings.max_new_tokens, eos_token_id=list(stop), pad_token_id=pad_id, **sampling)
             outputs = target.model.generate_batch(inputs=prompts, generation_config=hf, progress_bar=False)
             ordered = sorted(outputs.values(), key=lambda o: int(o.request_id.rsplit("_", 1)[-1]))
-            return [_until_stop(list(o.generated_tokens), stop) for o in ordered]
+            return [until_stop(list(o.generated_tokens), stop) for o in ordered]
         # Similar lengths batch together, which wastes less padding.
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         responses: list[list[int]] = [[] for _ in prompts]
@@ -112,7 +106,7 @@ class LocalEngine:
                 **sampling,
             )
             for row, i in enumerate(batch):
-                responses[i] = _until_stop(out[row, width:].tolist(), stop)
+                responses[i] = until_stop(out[row, width:].tolist(), stop)
         return responses
 
 

@@ -269,28 +269,32 @@ class Target:
 
     # -- chat ---------------------------------------------------------------------------------------
 
-    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation rendered with the target's chat template, ready for the assistant's turn."""
+    def _template_ids(self, messages: list[dict], **options) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InputError(f"the tokenizer of target {self.source!r} has no chat template; use a chat (instruct) model")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **options)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
 
+    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered with the target's chat template, ready for the assistant's turn."""
+        return self._template_ids(messages, add_generation_prompt=True)
+
     def reply_ids(self, messages: list[dict], prompt_ids: list[int], reply: str) -> list[int]:
         """Token ids of ``reply`` as the chat template renders it after ``prompt_ids``, ending at the first stop token."""
-        ids = self.tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": reply}], tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        ids = list(ids)
+        ids = self._template_ids(messages + [{"role": "assistant", "content": reply}])
         if ids[: len(prompt_ids)] == prompt_ids:
             ids = ids[len(prompt_ids) :]
         else:  # a template that renders the prompt differently once it is answered: the reply's own tokens
             ids = list(self.tokenizer.encode(reply, add_special_tokens=False)) + self.eos_token_ids[:1]
-        stop = set(self.eos_token_ids)
-        end = next((i + 1 for i, token in enumerate(ids) if token in stop), len(ids))
-        return ids[:end]
+        return until_stop(ids, set(self.eos_token_ids))
+
+
+def until_stop(tokens: list[int], stop: set[int]) -> list[int]:
+    """The tokens up to and including the first stop token."""
+    end = next((i + 1 for i, token in enumerate(tokens) if token in stop), len(tokens))
+    return tokens[:end]
 
 
 def select_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
@@ -338,11 +342,25 @@ def load_from_manifest(path: str | Path, device: str | torch.device = "cpu", dty
     if not path.is_file():
         raise MissingInputError(f"{path} does not exist: run the prepare_target stage first")
     manifest = json.loads(path.read_text())
-    recorded = manifest.get("path")
-    location = recorded if recorded and (Path(recorded) / "config.json").is_file() else manifest["source"]
-    target = Target.load(location, device=device, dtype=dtype or getattr(torch, manifest["dtype"]), layers=layers)
+    target = Target.load(_manifest_location(manifest), device=device, dtype=dtype or getattr(torch, manifest["dtype"]), layers=layers)
     target.source = manifest["source"]
     return target
+
+
+def config_from_manifest(path: str | Path):
+    """The transformers config of the target a ``prepare_target`` manifest describes, without loading its weights."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not path.is_file():
+        raise MissingInputError(f"{path} does not exist: run the prepare_target stage first")
+    return AutoConfig.from_pretrained(_manifest_location(json.loads(path.read_text())))
+
+
+def _manifest_location(manifest: dict) -> str:
+    """The local directory a manifest recorded, or its source again if that directory is gone (a cleared cache)."""
+    recorded = manifest.get("path")
+    return recorded if recorded and (Path(recorded) / "config.json").is_file() else manifest["source"]
 
 
 def preparation_dtype(setting: str, device: torch.device) -> torch.dtype:

@@ -72,6 +72,7 @@ class RunContext:
     metrics_path: Path
     tracker: object | None = None
     vocab: DraftVocab | None = None
+    vocab_coverage: float = 1.0  # the share of the training responses' tokens the vocabulary holds
     validation: pd.DataFrame | None = None
     checks: HiddenStateCache | None = None  # the target's rows of the validation samples
 
@@ -83,6 +84,12 @@ class RunContext:
         """The frozen LM head rows the drafter projects onto."""
         weight = self.target.lm_head.weight
         return weight if self.vocab is None else self.vocab.head(weight)
+
+
+def validation_due(previous: int, done: int, every: int, total: int) -> bool:
+    """Whether the metrics row of step ``done`` (the last row was at ``previous``) carries validation accuracy:
+    the first row at or after each multiple of ``every``, and the last row of the run."""
+    return done // every > previous // every or done == total
 
 
 def lr_factor(step: int, total_steps: int, warmup_ratio: float) -> float:
@@ -132,12 +139,13 @@ def train_drafter(
         if drafter_cfg.draft_vocab_size
         else None
     )
+    coverage = vocab.coverage([t for response in responses for t in response]) if vocab is not None else 1.0
     first, checkpoint = resume_point(checkpoint_dir, layout)
     meter, start = Meter(), time.perf_counter()
     checks = None
     if validation is not None and len(validation):
         checks = HiddenStateCache.build(hidden_cache_dir.with_name(f"{hidden_cache_dir.name}-validation"), target, validation, config.target_layer_ids, layout)
-    run = RunContext(target, samples, config, cfg, schedule, layout, checkpoint_dir, out_dir, metrics_path, tracker, vocab, validation, checks)
+    run = RunContext(target, samples, config, cfg, schedule, layout, checkpoint_dir, out_dir, metrics_path, tracker, vocab, coverage, validation, checks)
     idle = TrainResult(schedule.total, first, float("nan"), 0.0, 0.0, 0.0, 0.0, layout.world, torch.get_num_threads(), {})  # a target rank's
     # The target's throughput is summed over the ranks where its work ends: once the cache is built (every rank
     # builds a shard; split target ranks then leave), or after an online run.
@@ -218,7 +226,8 @@ def _train(run: RunContext, source, first: int, checkpoint: Path | None) -> Trai
                     "tokens_per_s": tokens_seen / elapsed,
                 }
                 row.update({f"acc_{k}": acc[k] for k in range(1, config.block_size)})
-                checked = run.checks is not None and (done % cfg.validate_every == 0 or done == schedule.total)
+                previous = progress.rows[-1]["step"] if progress.rows else 0
+                checked = run.checks is not None and validation_due(previous, done, cfg.validate_every, schedule.total)
                 validated = (
                     validation_accuracy(drafter, run.target, head, run.validation, run.checks, config, cfg, run.vocab, layout, schedule.seed)
                     if checked
@@ -252,9 +261,7 @@ def _train(run: RunContext, source, first: int, checkpoint: Path | None) -> Trai
         threads=torch.get_num_threads(),
         compile_cache=compile_cache_hits() if cfg.compile else {},
         draft_vocab=len(run.vocab) if run.vocab is not None else None,
-        draft_vocab_coverage=run.vocab.coverage([t for ids, mask in zip(run.samples["input_ids"], run.samples["loss_mask"]) for t, m in zip(ids, mask) if m])
-        if run.vocab is not None
-        else 1.0,
+        draft_vocab_coverage=run.vocab_coverage,
         validation_accuracy=[progress.rows[-1][f"val_acc_{k}"] for k in range(1, config.block_size)] if run.checks is not None else None,
         peak_memory_gb=round(torch.cuda.max_memory_allocated(layout.device) / 1e9, 2) if layout.device.type == "cuda" else None,
     )

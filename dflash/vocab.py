@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from dflash.errors import InputError
 
@@ -67,8 +68,5 @@ class DraftVocab:
         path = Path(directory) / FILE_NAME
         if not path.is_file():
             return None
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as f:
-            vocab_size = int(f.metadata()["vocab_size"])
-        return cls.of(load_file(str(path))["token_ids"], vocab_size)
+            return cls.of(f.get_tensor("token_ids"), int(f.metadata()["vocab_size"]))

@@ -5,7 +5,7 @@ import torch
 
 from dflash.batch import epoch_order, global_batches, rank_slice
 from dflash.objective import FrozenHeadCrossEntropy, decayed_loss, sample_positions
-from dflash.train import lr_factor
+from dflash.train import lr_factor, validation_due
 
 
 def test_frozen_head_cross_entropy_matches_autograd_of_the_decayed_loss():
@@ -81,6 +81,15 @@ def test_learning_rate_warms_up_then_decays_to_zero():
     assert lr_factor(4, total, warmup) == pytest.approx(1.0)
     assert lr_factor(52, total, warmup) == pytest.approx(0.5, abs=1e-6)
     assert lr_factor(100, total, warmup) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_validation_rides_on_the_first_row_after_each_multiple():
+    # Rows every 10 steps, validation every 25, 100 steps: rows 30, 50, 80, 100 (100 also as the last).
+    rows = range(10, 101, 10)
+    due = [done for previous, done in zip([0, *rows], rows) if validation_due(previous, done, every=25, total=100)]
+    assert due == [30, 50, 80, 100]
+    # A run that ends between multiples still validates at its end.
+    assert validation_due(40, 45, every=25, total=45) and not validation_due(40, 45, every=25, total=90)
 
 
 def test_cpu_threads_share_the_cores_among_local_processes(monkeypatch):

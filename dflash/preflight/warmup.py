@@ -227,16 +227,13 @@ def check_memory(verdict: WarmupVerdict, device: str, target_manifest, drafter: 
     """The estimated peak memory of a drafter rank on its largest batch (``dflash.cost``) against the device's:
     a run that would not fit fails here, before anything compiles, naming the keys that make it smaller."""
     import psutil
-    from transformers import AutoConfig
 
     from dflash.cost import Shape, drafter_rank_memory
-    from dflash.model import DFlashConfig
-    from dflash.target import preparation_dtype
+    from dflash.step import drafter_shape
+    from dflash.target import config_from_manifest, preparation_dtype
 
-    manifest = json.loads(Path(target_manifest).read_text())
-    target_config = AutoConfig.from_pretrained(manifest.get("path") or manifest["source"])
-    shape = {k: v for k, v in asdict(drafter).items() if k not in ("mask_token_id", "draft_vocab_size")}
-    drafter_config = DFlashConfig.for_target(target_config, mask_token_id=0, **shape)
+    target_config = config_from_manifest(target_manifest)
+    drafter_config = drafter_shape(target_config, drafter, mask_token_id=0)  # the mask token does not change the cost
     rows, length = max(verdict.shapes, key=lambda s: s[0] * s[1])
     torch_device = torch.device(device)
     dtype = preparation_dtype(train.target_dtype, torch_device)
