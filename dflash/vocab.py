@@ -6,24 +6,27 @@ a training step when the vocabulary is large and the drafter small. A draft
 vocabulary of the tokens the target writes most keeps only their rows of
 the frozen head (EAGLE-3's ``d2t``): drafting and training get cheaper, and
 a token outside it is never drafted (the target still writes it: decoding
-stays lossless). The drafter's checkpoint keeps it in a file of its own, so
-that the weights stay in the reference format; a loader that does not know
-the file drafts over the full vocabulary.
+stays lossless). The drafter's checkpoint keeps it in a JSON file of its
+own, so that the weights stay in the reference format: serving engines load
+every ``*.safetensors`` file of a drafter's directory and reject a tensor they
+do not know (vLLM does), while a loader that does not know the JSON file
+drafts over the full vocabulary.
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from dflash.errors import InputError
 
-FILE_NAME = "draft_vocab.safetensors"
+FILE_NAME = "draft_vocab.json"
+LEGACY_FILE_NAME = "draft_vocab.safetensors"  # drafters saved before the JSON file: read, never written
 
 
 @dataclass(frozen=True)
@@ -60,13 +63,19 @@ class DraftVocab:
         return lm_head_weight[self.token_ids.to(lm_head_weight.device)]
 
     def save(self, path: Path) -> None:
-        save_file({"token_ids": self.token_ids.contiguous()}, str(path), metadata={"vocab_size": str(self.index.numel())})
+        path.write_text(json.dumps({"vocab_size": self.index.numel(), "token_ids": self.token_ids.tolist()}) + "\n")
 
     @classmethod
     def load(cls, directory: Path) -> DraftVocab | None:
         """The vocabulary saved beside a drafter, or None when it drafts over the full vocabulary."""
-        path = Path(directory) / FILE_NAME
-        if not path.is_file():
-            return None
-        with safe_open(str(path), framework="pt") as f:
-            return cls.of(f.get_tensor("token_ids"), int(f.metadata()["vocab_size"]))
+        path, legacy = Path(directory) / FILE_NAME, Path(directory) / LEGACY_FILE_NAME
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text())
+                return cls.of(data["token_ids"], int(data["vocab_size"]))
+            except (ValueError, KeyError, TypeError) as err:
+                raise InputError(f"{path} is not a draft vocabulary ({err}): it holds vocab_size and token_ids") from err
+        if legacy.is_file():
+            with safe_open(str(legacy), framework="pt") as f:
+                return cls.of(f.get_tensor("token_ids"), int(f.metadata()["vocab_size"]))
+        return None

@@ -50,3 +50,23 @@ def test_the_vocabulary_is_saved_beside_the_reference_weights(tmp_path, tiny_dra
     # A drafter without one, saved over it, drafts over the whole vocabulary again.
     DFlashDrafter(tiny_drafter_config).save_pretrained(tmp_path)
     assert not (tmp_path / FILE_NAME).exists() and DFlashDrafter.from_pretrained(tmp_path).draft_vocab is None
+
+
+def test_the_only_safetensors_file_is_the_weights_and_an_older_vocabulary_file_still_loads(tmp_path, tiny_drafter_config):
+    """Engines load every *.safetensors file of a drafter's directory; the vocabulary must not be one. A drafter saved
+    with the older safetensors vocabulary file loads with its vocabulary, and saving over it removes that file."""
+    from safetensors.torch import save_file
+
+    from dflash.vocab import LEGACY_FILE_NAME
+
+    drafter = DFlashDrafter(tiny_drafter_config)
+    drafter.save_pretrained(tmp_path)
+    save_file({"token_ids": torch.tensor([3, 5])}, str(tmp_path / LEGACY_FILE_NAME), metadata={"vocab_size": str(tiny_drafter_config.vocab_size)})
+    assert DFlashDrafter.from_pretrained(tmp_path).draft_vocab.token_ids.tolist() == [3, 5]
+    drafter.draft_vocab = DraftVocab.of([4], tiny_drafter_config.vocab_size)
+    drafter.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
+    assert DFlashDrafter.from_pretrained(tmp_path).draft_vocab.token_ids.tolist() == [4]
+    (tmp_path / FILE_NAME).write_text('{"token_ids": [1]}')
+    with pytest.raises(ValueError, match="not a draft vocabulary"):
+        DFlashDrafter.from_pretrained(tmp_path)
