@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -57,6 +58,35 @@ class Request:
 # -- engines ------------------------------------------------------------------------------------------
 
 
+def api_key(server: ServerConfig) -> str:
+    """The server's API key, from the environment variable its config names."""
+    if server.api_key_env is None:
+        return "EMPTY"
+    key = os.environ.get(server.api_key_env)
+    if not key:
+        raise InputError(f"data.generation.servers: {server.url} takes its API key from ${server.api_key_env}, which is not set in this environment")
+    return key
+
+
+def continuous_results(outputs: dict, count: int) -> list[list[int]]:
+    """The generated tokens of requests ``0..count-1`` from transformers' ``generate_batch``, in request order. A request
+    that failed (its ``error`` set) or never came back raises here, before its chunk can be saved as complete: a missing
+    reply would otherwise shift every later one onto the wrong prompt."""
+    by_index: dict[int, object] = {}
+    for output in outputs.values():
+        by_index[int(str(output.request_id).rsplit("_", 1)[-1])] = output
+    failed = {i: o.error for i, o in by_index.items() if getattr(o, "error", None)}
+    missing = sorted(set(range(count)) - set(by_index))
+    if failed or missing:
+        raise InputError(
+            f"continuous batching returned {count - len(missing) - len(failed)} of {count} requests complete"
+            + (f"; failed: {dict(list(failed.items())[:3])}" if failed else "")
+            + (f"; never returned: {missing[:8]}" if missing else "")
+            + ". Rerun prepare_data (finished chunks are kept), or set data.generation.batching: padded"
+        )
+    return [list(by_index[i].generated_tokens) for i in range(count)]
+
+
 class LocalEngine:
     """The target in this process. Greedy unless ``temperature`` > 0 (then seeded by the chunk)."""
 
@@ -84,8 +114,7 @@ class LocalEngine:
         if self.continuous:
             hf = HFGenerationConfig(max_new_tokens=settings.max_new_tokens, eos_token_id=list(stop), pad_token_id=pad_id, **sampling)
             outputs = target.model.generate_batch(inputs=prompts, generation_config=hf, progress_bar=False)
-            ordered = sorted(outputs.values(), key=lambda o: int(o.request_id.rsplit("_", 1)[-1]))
-            return [until_stop(list(o.generated_tokens), stop) for o in ordered]
+            return [until_stop(tokens, stop) for tokens in continuous_results(outputs, len(prompts))]
         # Similar lengths batch together, which wastes less padding.
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         responses: list[list[int]] = [[] for _ in prompts]
@@ -123,7 +152,7 @@ class ServerEngine:
         if not settings.servers:
             raise InputError("data.generation.engine is 'server' but data.generation.servers is empty: list at least one {url, model}")
         self.target, self.settings = target, settings
-        self.clients = [(OpenAI(base_url=s.url, api_key=s.api_key, max_retries=settings.retries, timeout=settings.timeout), s) for s in settings.servers]
+        self.clients = [(OpenAI(base_url=s.url, api_key=api_key(s), max_retries=settings.retries, timeout=settings.timeout), s) for s in settings.servers]
         for client, server in self.clients:
             self._check(client, server)
 

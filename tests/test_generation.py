@@ -188,3 +188,33 @@ def test_server_errors_are_named(inputs, server):
     assert time.monotonic() - start < 30  # in seconds, not after the retries a running server would get
     with pytest.raises(InputError, match=r"does not serve model 'no-such-model'"):
         ServerEngine(target, GenerationConfig(engine="server", servers=[ServerConfig(url=server["url"], model="no-such-model")]))
+
+
+def test_continuous_batching_results_come_back_in_request_order_or_not_at_all():
+    from types import SimpleNamespace
+
+    from dflash.generation import continuous_results
+
+    def output(i, tokens, error=None):
+        return SimpleNamespace(request_id=f"req_{i}", generated_tokens=tokens, error=error)
+
+    # Out of order, with ids past 9 (sorted as numbers, not text).
+    outputs = {f"req_{i}": output(i, [i, i]) for i in (10, 2, 0, 1, 3, 4, 5, 6, 7, 8, 9)}
+    assert continuous_results(outputs, 11) == [[i, i] for i in range(11)]
+    with pytest.raises(InputError, match=r"10 of 11 .* never returned: \[4\]"):
+        continuous_results({k: v for k, v in outputs.items() if k != "req_4"}, 11)
+    outputs["req_6"] = output(6, [], error="out of blocks")
+    with pytest.raises(InputError, match=r"10 of 11 .*failed: \{6: 'out of blocks'\}"):
+        continuous_results(outputs, 11)
+
+
+def test_the_api_key_comes_from_the_environment_variable_the_config_names(monkeypatch):
+    from dflash.generation import api_key
+
+    assert api_key(ServerConfig(url="http://127.0.0.1:9/v1", model="m")) == "EMPTY"
+    server = ServerConfig(url="http://127.0.0.1:9/v1", model="m", api_key_env="DFLASH_TEST_KEY")
+    monkeypatch.delenv("DFLASH_TEST_KEY", raising=False)
+    with pytest.raises(InputError, match=r"\$DFLASH_TEST_KEY, which is not set"):
+        api_key(server)
+    monkeypatch.setenv("DFLASH_TEST_KEY", "sk-123")
+    assert api_key(server) == "sk-123"
