@@ -28,6 +28,7 @@ from dflash.config import MIN_BLOCK_SIZE
 from dflash.errors import InputError, MissingInputError
 from dflash.io import atomic_path, atomic_write_text, discard
 from dflash.vocab import FILE_NAME as VOCAB_FILE
+from dflash.vocab import LEGACY_FILE_NAME as LEGACY_VOCAB_FILE
 from dflash.vocab import DraftVocab
 
 CONFIG_NAME = "config.json"
@@ -298,7 +299,9 @@ class Attention(nn.Module):
             k_ctx, v_ctx = cache.extend(layer, k_ctx, v_ctx)
         k = torch.cat((k_ctx, k_block), dim=2)
         v = torch.cat((v_ctx, v_block), dim=2)
-        out = attend(q, k, v, mask, scale=self.head_dim**-0.5)
+        # Under autocast the norms' fp32 weights make q and k fp32 while v is bf16; attention kernels of torch
+        # releases before the fix of pytorch#165468 reject mixed dtypes, so all three enter in v's.
+        out = attend(q.to(v.dtype), k.to(v.dtype), v, mask, scale=self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(*block.shape[:2], -1))
 
 
@@ -403,6 +406,7 @@ class DFlashDrafter(nn.Module):
                 self.draft_vocab.save(staging)
         else:
             discard(directory / VOCAB_FILE)
+        discard(directory / LEGACY_VOCAB_FILE)  # engines that load every *.safetensors file reject it
         # The config states the dtype the weights are stored in, which loaders honour.
         stored = dataclasses.replace(self.config, dtype=str(self.fc.weight.dtype).removeprefix("torch."))
         atomic_write_text(directory / CONFIG_NAME, json.dumps(stored.to_reference_dict(), indent=2) + "\n")

@@ -150,6 +150,24 @@ def test_flex_and_sdpa_give_the_same_drafter_output(tiny_drafter_config):
     assert torch.isfinite(outputs["flex"][0, :4]).all()
 
 
+@pytest.mark.parametrize("backend", ["flex", "sdpa"])
+def test_under_bf16_autocast_attention_gets_one_dtype(tiny_drafter_config, backend, monkeypatch):
+    """The norms' fp32 weights would make q and k fp32 beside a bf16 v: torch releases before pytorch#165468's fix raise."""
+    import dflash.model
+
+    seen = []
+    original = dflash.model.attend
+    monkeypatch.setattr(dflash.model, "attend", lambda q, k, v, *a, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or original(q, k, v, *a, **kw))
+    drafter = DFlashDrafter(tiny_drafter_config).eval()
+    anchors, valid, features, blocks, ctx_pos, blk_pos = _training_inputs(tiny_drafter_config)
+    mask = build_training_mask(anchors, valid, features.shape[1], tiny_drafter_config.block_size, backend=backend)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = drafter(features, blocks, ctx_pos, blk_pos, mask=mask)
+    assert seen and all(dtypes == (torch.bfloat16,) * 3 for dtypes in seen), seen
+    assert torch.isfinite(out.float()).all()
+
+
 def test_sdpa_backward_is_finite_and_padding_blocks_get_no_gradient(tiny_drafter_config):
     torch.manual_seed(0)
     drafter = DFlashDrafter(tiny_drafter_config)
