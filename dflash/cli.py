@@ -86,6 +86,7 @@ def train(args, s) -> None:
 
 
 def evaluate(args, s) -> None:
+    from dflash.data import read_samples
     from dflash.evaluate import run_evaluation
     from dflash.model import DFlashDrafter
     from dflash.preflight.gate import first_device
@@ -93,7 +94,8 @@ def evaluate(args, s) -> None:
 
     target = load_from_manifest(args.target_manifest, device=first_device(s["topology"]))
     drafter = DFlashDrafter.from_pretrained(args.drafter, device=target.device, dtype=target.dtype).eval()
-    summary = run_evaluation(s["eval"], target, drafter, args.heldout, args.out_dir)
+    validation = read_samples(args.validation, allow_empty=True)
+    summary = run_evaluation(s["eval"], target, drafter, args.heldout, args.out_dir, validation)
     print(summary.to_string(index=False))
 
 
@@ -139,12 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     sections = {"data": C.DataConfig, "topology": C.TopologyConfig}
     p = _add(sub, "prepare-data", "prompts → target responses → training samples", prepare_data, sections, ["target_manifest", "out_dir", "chunk_dir"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--transport", type=_json_object, default={}, help=f"data.generation's {', '.join(C.TRANSPORT_KEYS)}, as JSON (over --data's)")
     sections = {"drafter": C.DrafterConfig, "train": C.TrainConfig, "topology": C.TopologyConfig, "tracking": C.TrackingConfig}
     p = _add(sub, "train", "train the drafter", train, sections, ["target_manifest", "samples", "out_dir", "checkpoint_dir"])
     p.add_argument("--validation", type=Path, default=None, help="validation samples (never trained on)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preflight", type=Path, nargs="*", default=[], help="verdict files train requires")
-    paths = ["target_manifest", "drafter", "heldout", "out_dir"]
+    paths = ["target_manifest", "drafter", "heldout", "validation", "out_dir"]
     _add(sub, "evaluate", "speculative decoding on the evaluation sets", evaluate, {"eval": C.EvalConfig, "topology": C.TopologyConfig}, paths)
     _add(sub, "report", "plots and an HTML summary", report, {}, ["metrics", "train_summary", "card", "eval_summary", "out_dir"])
 
@@ -173,7 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         torch.set_num_threads(C.cpu_threads())
-        sections = {key: C.parse_section(kind, getattr(args, key), key) for key, kind in args.sections.items()}
+        # The whole config, the given sections over the defaults, validated exactly as the workflow validates it.
+        raw = {key: getattr(args, key) for key in args.sections}
+        if getattr(args, "transport", None):
+            raw["data"] = raw["data"] | {"generation": raw["data"].get("generation", {}) | args.transport}
+        config = C.load_config(raw)
+        sections = {key: getattr(config, key) for key in args.sections}
         args.run(args, sections)
     except DFlashError as err:
         print(f"dflash {args.command}: error: {err}", file=sys.stderr)

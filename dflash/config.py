@@ -47,7 +47,9 @@ class PromptSource:
 class ServerConfig:
     url: str  # an OpenAI-compatible endpoint, e.g. http://node7:8000/v1
     model: str  # the model name the server serves
-    api_key: str = "EMPTY"
+    # The environment variable that holds the server's API key, never the key itself (a key in the config would show in
+    # the job's command line and in ps). None: the server takes any key.
+    api_key_env: str | None = None
 
 
 @dataclass
@@ -64,6 +66,10 @@ class GenerationConfig:
     retries: int = 5  # per request, with exponential backoff, on transient server errors
     timeout: float = 600.0  # seconds per request
     chunk_size: int = 256  # prompts per resumable chunk file
+
+
+# How requests reach the servers, not what they answer: changing one never invalidates regenerated data.
+TRANSPORT_KEYS = ("concurrency", "retries", "timeout")
 
 
 @dataclass
@@ -164,6 +170,9 @@ class EvalConfig:
     max_new_tokens: int = 128
     prompt_lookup_tokens: int | None = None  # the prompt-lookup arm proposes up to this many (default: block_size - 1, the same widest verify)
     prompt_lookup_ngram: int = 3  # ... following the latest earlier occurrence of the context's last n-gram, n <= this
+    gate: bool = True  # the drafter verifies the length its calibrated confidence pays for; false: its whole block
+    verify_cost: list[float] | None = None  # c(k)/c(1) for k = 1..widest verify; default: measured at the start
+    linear_kernel: Literal["auto", "packed", "default"] = "auto"  # the target's linears: oneDNN packed where exact (auto)
     sets: list[EvalSet] = field(default_factory=lambda: [EvalSet(name="chat", source="heldout"), EvalSet(name="humaneval", source="humaneval")])
 
 
@@ -331,6 +340,8 @@ def _check_ranges(c: Config) -> None:
             )
     elif c.topology.target_ranks:
         raise ConfigError("topology.target_ranks: only a split topology has target ranks; set it to 0 or use kind: split")
+    if c.eval.verify_cost is not None and (not c.eval.verify_cost or min(c.eval.verify_cost) <= 0):
+        raise ConfigError(f"eval.verify_cost: c(k)/c(1) for k = 1, 2, ...: a non-empty list of positive numbers, got {c.eval.verify_cost}")
     names = [s.name for s in c.eval.sets]
     if len(set(names)) != len(names):
         raise ConfigError(f"eval.sets: set names must be unique, got {names}")

@@ -283,7 +283,9 @@ def prepare_data(cfg: DataConfig, seed: int, target: Target, out_dir: Path, chun
         raise InputError(f"data.prompts.source {cfg.prompts.source!r}: no training prompts left after the held-out split")
     card = DataCard(source=cfg.prompts.source, prompts=len(conversations), train_prompts=len(train), heldout_prompts=len(evaluation))
     checks_card = DataCard(source=cfg.prompts.source)
-    plans = [Plan.of(train, cfg.regenerate, cfg, target, card), Plan.of(validation, cfg.regenerate, cfg, target, checks_card)]
+    # Validation samples are always the target's own responses: teacher forcing on them is what decoding sees, so their
+    # accuracy, τ and the calibration of the drafter's confidence measure what decoding gets.
+    plans = [Plan.of(train, cfg.regenerate, cfg, target, card), Plan.of(validation, None, cfg, target, checks_card)]
     requests = [plan.requests() for plan in plans]
     done = regenerate(requests[0] + requests[1], engine_for(target, cfg.generation), cfg.generation, seed, chunk_dir, layout)
     log.info("regenerated %d responses, %d found in complete chunks under %s", done.generated, done.reused, chunk_dir)

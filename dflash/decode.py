@@ -13,12 +13,15 @@ the output is the target's own greedy output.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
 
 from dflash.model import DFlashDrafter, DraftCache
+from dflash.policy import Calibration, LookupConfidence, VerifyCost
 from dflash.target import Target, select_features
 
 
@@ -28,6 +31,10 @@ class DecodeStats:
     num_input_tokens: int
     num_output_tokens: int
     acceptance_lengths: list[int] = field(default_factory=list)  # per verify step: accepted draft tokens + 1
+    verified: list[int] = field(default_factory=list)  # per verify step: draft tokens verified (0: a plain step)
+    choices: Counter = field(default_factory=Counter)  # per verify step: which proposer's tokens were verified ("" for none)
+    # Per draft position verified after an accepted prefix: (position 1.., predicted acceptance, accepted).
+    predictions: list[tuple[int, float, bool]] = field(default_factory=list)
     target_forwards: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -45,6 +52,10 @@ class DecodeStats:
         return [sum(length - 1 >= k for length in self.acceptance_lengths) / steps if steps else 0.0 for k in range(1, self.block_size)]
 
     @property
+    def mean_verified(self) -> float:
+        return sum(self.verified) / len(self.verified) if self.verified else 0.0
+
+    @property
     def time_per_output_token(self) -> float:
         return self.decode_seconds / self.num_output_tokens if self.num_output_tokens else float("nan")
 
@@ -55,15 +66,46 @@ class Generation:
     stats: DecodeStats
 
 
+@dataclass
+class Proposal:
+    """Draft tokens to verify after the last committed one, with what is known of them."""
+
+    tokens: list[int]
+    accept: list[float] | None = None  # per token: the probability it is accepted given the ones before are (None: unknown)
+    source: str = ""  # the proposer's name
+    match: int = 0  # prompt lookup: the length of the n-gram that matched
+    own: int | None = None  # how many of ``tokens`` the proposer drafted (the rest pad the verify); None: all
+
+    @property
+    def drafted(self) -> int:
+        return len(self.tokens) if self.own is None else self.own
+
+
+class Proposer(Protocol):
+    """What ``speculative_generate`` drafts with. ``observe`` is told of every target forward (the prefill from
+    position 0, then each verify's accepted positions); ``feedback`` of how many of a proposal's tokens were accepted."""
+
+    name: str
+    needs_hidden_states: bool
+    draft_cost: float  # a proposal's cost, in target steps
+
+    def observe(self, hidden_states, count: int, start: int) -> None: ...
+
+    def propose(self, tokens: list[int], count: int) -> Proposal: ...
+
+    def feedback(self, proposal: Proposal, accepted: int) -> None: ...
+
+
 class DFlashProposer:
     """Drafts with a DFlash drafter: context keys and values of every committed token stay in its cache; each
     proposal is one forward over ``[last token, MASK x (n)]`` projected through the target's LM head rows of the
-    drafter's vocabulary."""
+    drafter's vocabulary. With a ``calibration``, each token carries the calibrated probability of its acceptance."""
 
+    name = "dflash"
     needs_hidden_states = True
 
-    def __init__(self, target: Target, drafter: DFlashDrafter):
-        self.target, self.drafter = target, drafter
+    def __init__(self, target: Target, drafter: DFlashDrafter, calibration: Calibration | None = None, draft_cost: float = 0.0):
+        self.target, self.drafter, self.calibration, self.draft_cost = target, drafter, calibration, draft_cost
         self.cache = DraftCache()
         vocab = drafter.draft_vocab
         weight = target.lm_head.weight
@@ -74,11 +116,14 @@ class DFlashProposer:
         self.context_start = 0
 
     def observe(self, hidden_states, count: int, start: int) -> None:
-        """The target processed ``count`` tokens from position ``start`` (the prefill: from 0)."""
-        self.context = select_features(hidden_states, self.drafter.config.target_layer_ids)[:, :count]
-        self.context_start = start
+        """The target processed ``count`` tokens from position ``start`` (the prefill: from 0); features wait for the next proposal."""
+        features = select_features(hidden_states, self.drafter.config.target_layer_ids)[:, :count]
+        if self.context is None:
+            self.context, self.context_start = features, start
+        else:
+            self.context = torch.cat([self.context, features], dim=1)
 
-    def propose(self, tokens: list[int], count: int) -> list[int]:
+    def propose(self, tokens: list[int], count: int) -> Proposal:
         start = len(tokens) - 1
         device = self.target.device
         block = torch.tensor([[tokens[-1]] + [self.drafter.mask_token_id] * count], device=device)
@@ -90,8 +135,16 @@ class DFlashProposer:
             cache=self.cache,
         )
         self.context = None  # now in the cache
-        drafted = (hidden[0, 1:].to(self.head.dtype) @ self.head.t()).argmax(-1)
-        return (drafted if self.token_ids is None else self.token_ids[drafted]).tolist()
+        logits = hidden[0, 1:].to(self.head.dtype) @ self.head.t()
+        drafted = logits.argmax(-1)
+        ids = (drafted if self.token_ids is None else self.token_ids[drafted]).tolist()
+        if self.calibration is None:
+            return Proposal(ids, source=self.name)
+        top = torch.softmax(logits.float(), dim=-1).amax(-1).tolist()
+        return Proposal(ids, accept=self.calibration(top), source=self.name)
+
+    def feedback(self, proposal: Proposal, accepted: int) -> None:
+        pass
 
 
 @dataclass
@@ -108,21 +161,83 @@ class PromptLookup:
 
 
 class PromptLookupProposer:
-    needs_hidden_states = False
+    """Prompt lookup as a proposer; with a ``confidence``, each token carries the acceptance observed so far for
+    proposals of the same match length, and learns from every verify."""
 
-    def __init__(self, lookup: PromptLookup):
-        self.lookup = lookup
+    name = "lookup"
+    needs_hidden_states = False
+    draft_cost = 0.0
+
+    def __init__(self, lookup: PromptLookup, confidence: LookupConfidence | None = None):
+        self.lookup, self.confidence = lookup, confidence
 
     def observe(self, hidden_states, count: int, start: int) -> None:
         pass
 
-    def propose(self, tokens: list[int], count: int) -> list[int]:
+    def propose(self, tokens: list[int], count: int) -> Proposal:
+        count = min(count, self.lookup.num_tokens)
         for n in range(min(self.lookup.max_ngram, len(tokens) - 1), 0, -1):
             suffix = tokens[-n:]
             for begin in range(len(tokens) - n - 1, -1, -1):  # the latest earlier occurrence
                 if tokens[begin : begin + n] == suffix:
-                    return tokens[begin + n : begin + n + count]
-        return []
+                    found = tokens[begin + n : begin + n + count]
+                    accept = self.confidence(n, len(found)) if self.confidence is not None else None
+                    return Proposal(found, accept=accept, source=self.name, match=n)
+        return Proposal([], accept=[], source=self.name)
+
+    def feedback(self, proposal: Proposal, accepted: int) -> None:
+        if self.confidence is not None and proposal.drafted:
+            self.confidence.update(proposal.match, proposal.drafted, accepted)
+
+
+class GatedProposer:
+    """Per step, every candidate proposes and the verify takes the (candidate, length) with the most expected committed
+    tokens per unit of cost (``VerifyCost.best_length``), padded to the cheapest width: one candidate is a
+    confidence-gated drafter, a drafter and prompt lookup the hybrid. Every candidate proposes on every step, so
+    each keeps its own state (the drafter's cache) current whichever is taken."""
+
+    def __init__(self, candidates: list[Proposer], cost: VerifyCost):
+        self.candidates, self.cost = candidates, cost
+        self.name = "+".join(c.name for c in candidates)
+        self.needs_hidden_states = any(c.needs_hidden_states for c in candidates)
+        self.draft_cost = sum(c.draft_cost for c in candidates)
+        self.block_size = cost.max_width
+
+    def observe(self, hidden_states, count: int, start: int) -> None:
+        for candidate in self.candidates:
+            candidate.observe(hidden_states, count, start)
+
+    def propose(self, tokens: list[int], count: int) -> Proposal:
+        best, best_gain, best_length = None, -1.0, 0
+        for candidate in self.candidates:
+            proposal = candidate.propose(tokens, count)
+            if proposal.accept is None:
+                raise ValueError(f"a gated proposer needs confidences, and {candidate.name!r} gives none (a drafter needs a calibration)")
+            length, gain = self.cost.best_length(proposal.accept[:count], self.draft_cost)
+            if gain > best_gain:
+                best, best_gain, best_length = proposal, gain, min(length, count)
+        if best_length == 0:
+            return Proposal([], accept=[], source="")
+        # Slots past the proposal's end (a short lookup match) are filled with its last token: free, since the padded
+        # width costs no more, and lossless, since any token may be verified.
+        filler = (best.tokens or tokens[-1:])[-1:]
+        padded = (best.tokens + filler * best_length)[:best_length]
+        accept = (best.accept + [0.0] * best_length)[:best_length]
+        return Proposal(padded, accept=accept, source=best.source, match=best.match, own=min(len(best.tokens), best_length))
+
+    def feedback(self, proposal: Proposal, accepted: int) -> None:
+        for candidate in self.candidates:
+            if candidate.name == proposal.source:
+                candidate.feedback(proposal, accepted)
+
+
+def make_proposer(target: Target, drafter) -> Proposer:
+    """A proposer for a ``DFlashDrafter``, a ``PromptLookup``, or a proposer itself."""
+    if isinstance(drafter, DFlashDrafter):
+        return DFlashProposer(target, drafter)
+    if isinstance(drafter, PromptLookup):
+        return PromptLookupProposer(drafter)
+    return drafter
 
 
 def _clock(device: torch.device) -> float:
@@ -140,7 +255,7 @@ def _crop(cache: DynamicCache, length: int) -> None:
 @torch.no_grad()
 def speculative_generate(
     target: Target,
-    drafter: DFlashDrafter | PromptLookup | None,
+    drafter: DFlashDrafter | PromptLookup | Proposer | None,
     input_ids: torch.Tensor,
     max_new_tokens: int,
     block_size: int | None = None,
@@ -148,21 +263,19 @@ def speculative_generate(
 ) -> Generation:
     """Greedy decoding of one prompt (``input_ids`` [1, S]); output identical to the target's own greedy decoding.
 
-    ``drafter`` proposes the tokens to verify: a ``DFlashDrafter`` or a ``PromptLookup``. ``block_size`` (the
-    widest verify) defaults to the drafter's; 1 (or no drafter) is the autoregressive baseline.
-    ``stop_token_ids`` defaults to the target's end-of-sequence tokens.
+    ``drafter`` proposes the tokens to verify: a ``DFlashDrafter``, a ``PromptLookup`` or any ``Proposer`` (a
+    ``GatedProposer`` chooses how many). ``block_size`` (the widest verify) defaults to the drafter's; 1 (or no
+    drafter) is the autoregressive baseline. ``stop_token_ids`` defaults to the target's end-of-sequence tokens.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"speculative_generate decodes one request: input_ids must be [1, S], got {tuple(input_ids.shape)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if block_size is None:
-        block_size = drafter.block_size if drafter is not None else 1
+        block_size = getattr(drafter, "block_size", None) or 1
     if block_size > 1 and drafter is None:
         raise ValueError(f"block_size={block_size} needs a drafter; use block_size=1 for the autoregressive baseline")
-    proposer = None
-    if block_size > 1:
-        proposer = PromptLookupProposer(drafter) if isinstance(drafter, PromptLookup) else DFlashProposer(target, drafter)
+    proposer = make_proposer(target, drafter) if block_size > 1 else None
     hidden_states = proposer is not None and proposer.needs_hidden_states
     device = target.device
     stop = set(target.eos_token_ids if stop_token_ids is None else stop_token_ids)
@@ -194,12 +307,13 @@ def speculative_generate(
     start = len(tokens) - 1
     while tokens[-1] not in stop and len(tokens) < max_len:
         verify_size = min(block_size, max_len - start)
-        proposal = []
+        proposal = Proposal([])
         if verify_size > 1:
             drafting = _clock(device)
             proposal = proposer.propose(tokens, verify_size - 1)
             stats.draft_seconds += _clock(device) - drafting
-        block_ids = torch.tensor([[tokens[-1]] + proposal], device=device)
+        draft = proposal.tokens[: verify_size - 1]
+        block_ids = torch.tensor([[tokens[-1]] + draft], device=device)
         out = target.model(
             input_ids=block_ids,
             position_ids=torch.arange(start, start + block_ids.shape[1], device=device)[None],
@@ -211,12 +325,18 @@ def speculative_generate(
         verified = out.logits[0].argmax(-1)
         agrees = (block_ids[0, 1:] == verified[:-1]).int()
         accepted = int(agrees.cumprod(0).sum())
-        committed = proposal[:accepted] + [int(verified[accepted])]
+        committed = draft[:accepted] + [int(verified[accepted])]
         for token in committed:
             tokens.append(token)
             if token in stop or len(tokens) >= max_len:
                 break
         stats.acceptance_lengths.append(accepted + 1)
+        stats.verified.append(len(draft))
+        stats.choices[proposal.source if draft else ""] += 1
+        if proposal.accept is not None:
+            stats.predictions += [(k + 1, proposal.accept[k], k < accepted) for k in range(min(proposal.drafted, len(draft), accepted + 1))]
+        if proposer is not None and draft:
+            proposer.feedback(proposal, accepted)
         # The target has processed block positions 0..accepted; later positions were rejected.
         processed = accepted + 1
         _crop(target_cache, start + processed)

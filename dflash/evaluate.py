@@ -1,14 +1,21 @@
 """Evaluation by the authors' protocol: every prompt decoded greedily with the same loop at block size 1
-(the autoregressive baseline) and at block size B; τ, per-position acceptance, time per output token,
-speedup, and a token-for-token losslessness check. A third arm decodes the same prompts with prompt
-lookup (no training at all): the drafter earns its training only where it beats it.
+(the autoregressive baseline) and by each speculative arm; τ, per-position acceptance, time per output
+token, speedup, and a token-for-token losslessness check.
+
+The arms: the drafter (each step verifying the length its calibrated confidence pays for, ``eval.gate``),
+prompt lookup (no training at all: the drafter earns its training only where it beats it), and the hybrid
+of both (per step, whichever proposal promises more tokens per unit of cost). Before decoding, the stage
+measures what a verify of k tokens costs on this machine, and calibrates the drafter's confidence on the
+validation samples (which the drafter never trained on), where it also predicts τ teacher-forced.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -16,11 +23,13 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from dflash.config import EvalConfig
+from dflash.config import EvalConfig, TrainConfig
 from dflash.data import Conversation, load_conversations, read_heldout
-from dflash.decode import PromptLookup, speculative_generate
+from dflash.decode import DFlashProposer, GatedProposer, PromptLookup, PromptLookupProposer, speculative_generate
 from dflash.errors import InputError
+from dflash.kernels import pack_linears
 from dflash.model import DFlashDrafter
+from dflash.policy import Calibration, LookupConfidence, VerifyCost, acceptance_lengths, measure_verify_cost
 from dflash.target import Target
 
 SUMMARY_COLUMNS = [
@@ -36,8 +45,18 @@ SUMMARY_COLUMNS = [
     "pld_speedup",
     "tpot_pld_ms",
     "pld_lossless",
+    "hybrid_tau",
+    "hybrid_speedup",
+    "tpot_hybrid_ms",
+    "hybrid_lossless",
+    "hybrid_lookup_share",
+    "verified",
+    "val_tau",
+    "val_tau_gated",
     "device",
 ]
+log = logging.getLogger(__name__)
+
 HUMANEVAL_FORMAT = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
 
 
@@ -66,34 +85,61 @@ class PromptResult:
     output_tokens: int
     tau: float
     verify_steps: int
+    verified: float  # the drafter arm's mean draft tokens verified per step (what the gate chose)
     tpot_ar_ms: float
     tpot_dflash_ms: float
     draft_ms: float  # per verify step, of tpot_dflash
     lossless: bool
     acceptance_lengths: str  # space-separated, one per verify step
+    verified_lengths: str  # space-separated: the draft tokens verified at each step
     per_position_acceptance: str  # space-separated, positions 1..B-1
+    predictions: str  # the drafter arm's "position:predicted:accepted" per draft token verified after an accepted prefix
     pld_tau: float
     tpot_pld_ms: float
     pld_lossless: bool
+    hybrid_tau: float
+    tpot_hybrid_ms: float
+    hybrid_lossless: bool
+    hybrid_lookup_steps: int  # verify steps that took prompt lookup's proposal
+    hybrid_dflash_steps: int  # ... the drafter's
 
 
-def evaluate_set(
-    name: str,
-    conversations: list[Conversation],
-    target: Target,
-    drafter: DFlashDrafter,
-    block_size: int,
-    max_new_tokens: int,
-    lookup: PromptLookup,
-) -> list[PromptResult]:
-    """Each prompt decoded by the three arms in turn: the autoregressive baseline, the drafter, prompt lookup."""
+@dataclass
+class Arms:
+    """What each speculative arm decodes with: a fresh proposer per prompt (the drafter's cache is per request),
+    sharing what is learnt across prompts (prompt lookup's acceptance by match length)."""
+
+    target: Target
+    drafter: DFlashDrafter
+    block_size: int
+    lookup: PromptLookup
+    cost: VerifyCost
+    calibration: Calibration
+    draft_cost: float = 0.0  # the drafter's proposal, in target steps
+    gate: bool = True  # False: the drafter arm verifies its whole block every step
+    confidence: LookupConfidence = field(default_factory=LookupConfidence)
+
+    def _drafter(self) -> DFlashProposer:
+        return DFlashProposer(self.target, self.drafter, self.calibration, self.draft_cost)
+
+    def dflash(self):
+        return GatedProposer([self._drafter()], self.cost) if self.gate else self.drafter
+
+    def hybrid(self) -> GatedProposer:
+        return GatedProposer([self._drafter(), PromptLookupProposer(self.lookup, self.confidence)], self.cost)
+
+
+def evaluate_set(name: str, conversations: list[Conversation], arms: Arms, max_new_tokens: int) -> list[PromptResult]:
+    """Each prompt decoded by every arm in turn: the autoregressive baseline, the drafter, prompt lookup, the hybrid."""
     rows = []
+    target, block_size = arms.target, arms.block_size
     for conversation in tqdm(conversations, desc=f"evaluating {name}", unit="prompt"):
         ids = torch.tensor([target.chat_prompt_ids(conversation.as_messages())])
         # Interleaved per prompt, so that load from other processes hits every arm alike.
         baseline = speculative_generate(target, None, ids, max_new_tokens, block_size=1)
-        drafted = speculative_generate(target, drafter, ids, max_new_tokens, block_size=block_size)
-        looked_up = speculative_generate(target, lookup, ids, max_new_tokens)
+        drafted = speculative_generate(target, arms.dflash(), ids, max_new_tokens, block_size=block_size)
+        looked_up = speculative_generate(target, arms.lookup, ids, max_new_tokens)
+        hybrid = speculative_generate(target, arms.hybrid(), ids, max_new_tokens, block_size=block_size)
         stats = drafted.stats
         rows.append(
             PromptResult(
@@ -103,54 +149,137 @@ def evaluate_set(
                 output_tokens=stats.num_output_tokens,
                 tau=stats.tau,
                 verify_steps=len(stats.acceptance_lengths),
+                verified=stats.mean_verified,
                 tpot_ar_ms=baseline.stats.time_per_output_token * 1e3,
                 tpot_dflash_ms=stats.time_per_output_token * 1e3,
                 draft_ms=stats.draft_seconds * 1e3 / max(1, len(stats.acceptance_lengths)),
                 lossless=torch.equal(baseline.tokens, drafted.tokens),
                 acceptance_lengths=" ".join(map(str, stats.acceptance_lengths)),
+                verified_lengths=" ".join(map(str, stats.verified)),
                 per_position_acceptance=" ".join(f"{a:.4f}" for a in stats.per_position_acceptance),
+                predictions=" ".join(f"{k}:{p:.4f}:{int(a)}" for k, p, a in stats.predictions),
                 pld_tau=looked_up.stats.tau,
                 tpot_pld_ms=looked_up.stats.time_per_output_token * 1e3,
                 pld_lossless=torch.equal(baseline.tokens, looked_up.tokens),
+                hybrid_tau=hybrid.stats.tau,
+                tpot_hybrid_ms=hybrid.stats.time_per_output_token * 1e3,
+                hybrid_lossless=torch.equal(baseline.tokens, hybrid.tokens),
+                hybrid_lookup_steps=hybrid.stats.choices["lookup"],
+                hybrid_dflash_steps=hybrid.stats.choices["dflash"],
             )
         )
     return rows
 
 
-def summarize(name: str, rows: pd.DataFrame, block_size: int, device: str) -> dict:
+def summarize(name: str, rows: pd.DataFrame, block_size: int, device: str, predicted: dict) -> dict:
     """One summary row: τ averaged per request then across requests; speedups from mean time per output token."""
-    tpot_ar, tpot_dflash, tpot_pld = rows["tpot_ar_ms"].mean(), rows["tpot_dflash_ms"].mean(), rows["tpot_pld_ms"].mean()
+    tpot_ar = rows["tpot_ar_ms"].mean()
+    hybrid_steps = rows["hybrid_lookup_steps"].sum() + rows["hybrid_dflash_steps"].sum()
     return {
         "set": name,
         "prompts": len(rows),
         "block_size": block_size,
         "tau": rows["tau"].mean(),
-        "speedup": tpot_ar / tpot_dflash,
+        "speedup": tpot_ar / rows["tpot_dflash_ms"].mean(),
         "tpot_ar_ms": tpot_ar,
-        "tpot_dflash_ms": tpot_dflash,
+        "tpot_dflash_ms": rows["tpot_dflash_ms"].mean(),
         "lossless": bool(rows["lossless"].all()),
         "pld_tau": rows["pld_tau"].mean(),
-        "pld_speedup": tpot_ar / tpot_pld,
-        "tpot_pld_ms": tpot_pld,
+        "pld_speedup": tpot_ar / rows["tpot_pld_ms"].mean(),
+        "tpot_pld_ms": rows["tpot_pld_ms"].mean(),
         "pld_lossless": bool(rows["pld_lossless"].all()),
+        "hybrid_tau": rows["hybrid_tau"].mean(),
+        "hybrid_speedup": tpot_ar / rows["tpot_hybrid_ms"].mean(),
+        "tpot_hybrid_ms": rows["tpot_hybrid_ms"].mean(),
+        "hybrid_lossless": bool(rows["hybrid_lossless"].all()),
+        "hybrid_lookup_share": rows["hybrid_lookup_steps"].sum() / hybrid_steps if hybrid_steps else 0.0,
+        "verified": rows["verified"].mean(),
+        "val_tau": predicted.get("tau", float("nan")),
+        "val_tau_gated": predicted.get("tau_gated", float("nan")),
         "device": device,
     }
 
 
-def run_evaluation(cfg: EvalConfig, target: Target, drafter: DFlashDrafter, heldout_path: Path, out_dir: Path) -> pd.DataFrame:
-    """The ``evaluate`` stage: ``<set>.csv`` per set and ``summary.csv``."""
+def calibrate(target: Target, drafter: DFlashDrafter, validation: pd.DataFrame, block_size: int, seed: int = 0):
+    """The drafter at ``block_size`` on the validation samples, teacher-forced: the calibration of its confidence and
+    the blocks' outcomes (``dflash.step.BlockOutcomes``)."""
+    from dflash.features import Meter, target_features
+    from dflash.step import validation_outcomes
+
+    config = dataclasses.replace(drafter.config, block_size=block_size)
+    rows = target_features(target, list(validation["input_ids"]), config.target_layer_ids, Meter())
+    head = target.lm_head.weight if drafter.draft_vocab is None else drafter.draft_vocab.head(target.lm_head.weight)
+    cfg = TrainConfig(precision="fp32", max_anchors=512)  # every anchor of a sample: validation samples are short
+    outcomes = validation_outcomes(drafter, target, head.to(drafter.fc.weight.dtype), validation, rows, config, cfg, drafter.draft_vocab, seed)
+    return Calibration.fit(outcomes.confidence, outcomes.correct, outcomes.counted), outcomes
+
+
+def predicted_tau(outcomes, calibration: Calibration, cost: VerifyCost | None, draft_cost: float) -> dict:
+    """τ teacher-forced on the validation blocks: verifying every draft position, and what the gate would verify."""
+    blocks = outcomes.counted[:, 0]
+    correct, counted, confidence = outcomes.correct[blocks], outcomes.counted[blocks], outcomes.confidence[blocks]
+    result = {"tau": float(acceptance_lengths(correct, counted).float().mean())} if len(correct) else {}
+    if len(correct):
+        lengths = torch.tensor([cost.best_length(calibration(row.tolist()), draft_cost)[0] for row in confidence])
+        result["tau_gated"] = float(acceptance_lengths(correct, counted, lengths).float().mean())
+    return result
+
+
+@torch.no_grad()
+def measure_draft_cost(target: Target, drafter: DFlashDrafter, cost: VerifyCost, block_size: int, context: int = 256, repeats: int = 7) -> float:
+    """One proposal of the drafter after ``context`` tokens, in target steps (c(1) from ``cost``)."""
+    import statistics
+    import time
+
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, target.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(target.device)
+    out = target.model(input_ids=ids, cache=DynamicCache(config=target.config), use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    proposer = DFlashProposer(target, drafter)
+    proposer.observe(out.hidden_states, context, 0)
+    tokens = ids[0].tolist()
+    proposer.propose(tokens, block_size - 1)  # the context enters the drafter's cache
+    times = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        proposer.propose(tokens, block_size - 1)
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times) * 1e3 / cost.step_ms if cost.step_ms else 0.0
+
+
+def run_evaluation(
+    cfg: EvalConfig, target: Target, drafter: DFlashDrafter, heldout_path: Path, out_dir: Path, validation: pd.DataFrame | None = None
+) -> pd.DataFrame:
+    """The ``evaluate`` stage: ``verify_cost.json``, ``calibration.json``, ``<set>.csv`` per set and ``summary.csv``."""
     block_size = cfg.block_size or drafter.block_size
     # Prompt lookup verifies at most as many tokens as the drafter does: both pay the same verify cost per step.
     lookup = PromptLookup(num_tokens=cfg.prompt_lookup_tokens or block_size - 1, max_ngram=cfg.prompt_lookup_ngram)
     out_dir.mkdir(parents=True, exist_ok=True)
+    packed = pack_linears(target.model, cfg.linear_kernel) + pack_linears(drafter, cfg.linear_kernel)
+    log.info("linear kernel: %s", f"oneDNN packed ({packed} linears)" if packed else "torch's default")
+    widest = max(block_size, lookup.block_size)
+    cost = VerifyCost(tuple(cfg.verify_cost)) if cfg.verify_cost else measure_verify_cost(target, widest)
+    if cost.max_width < widest:
+        raise InputError(f"eval.verify_cost has {cost.max_width} widths, but the arms verify up to {widest}: give c(k)/c(1) for k = 1..{widest}")
+    draft_cost = measure_draft_cost(target, drafter, cost, block_size) if cost.step_ms else 0.0
+    log.info("verify cost c(k)/c(1): %s; a proposal costs %.3f target steps", " ".join(f"{c:.2f}" for c in cost.relative), draft_cost)
+    if validation is None or not len(validation):
+        raise InputError("the evaluation calibrates the drafter's confidence on the validation samples, and there are none: set data.validation above 0")
+    calibration, outcomes = calibrate(target, drafter, validation, block_size)
+    calibration.save(out_dir / "calibration.json")
+    predicted = predicted_tau(outcomes, calibration, cost, draft_cost)
+    (out_dir / "verify_cost.json").write_text(
+        json.dumps(cost.to_dict() | {"draft": draft_cost, "linear_kernel": "packed" if packed else "default"}, indent=2) + "\n"
+    )
+    arms = Arms(target, drafter, block_size, lookup, cost, calibration, draft_cost, cfg.gate)
     summary = []
     for eval_set in cfg.sets:
         conversations = eval_conversations(eval_set.source, eval_set.split, eval_set.limit, heldout_path)
         if not conversations:
             raise InputError(f"eval.sets {eval_set.name!r}: source {eval_set.source!r} gave no prompts")
-        rows = pd.DataFrame(evaluate_set(eval_set.name, conversations, target, drafter, block_size, cfg.max_new_tokens, lookup))
+        rows = pd.DataFrame(evaluate_set(eval_set.name, conversations, arms, cfg.max_new_tokens))
         rows.to_csv(out_dir / f"{eval_set.name}.csv", index=False)
-        summary.append(summarize(eval_set.name, rows, block_size, str(target.device)))
+        summary.append(summarize(eval_set.name, rows, block_size, str(target.device), predicted))
     frame = pd.DataFrame(summary, columns=SUMMARY_COLUMNS)
     frame.to_csv(out_dir / "summary.csv", index=False)
     return frame

@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-PLOTS = ("training_curves.png", "acceptance_histogram.png", "position_acceptance.png", "speedup.png")
+PLOTS = ("training_curves.png", "acceptance_histogram.png", "position_acceptance.png", "speedup.png", "calibration.png")
 
 
 def _save(fig, path: Path) -> None:
@@ -22,8 +22,9 @@ def _save(fig, path: Path) -> None:
 
 
 def plot_training_curves(metrics: pd.DataFrame, path: Path) -> None:
-    """Loss, and per-position accuracy on the training batches (solid) beside the validation samples' (dashed, markers)."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    """Loss; per-position accuracy on the training batches (solid) beside the validation samples' (dashed, markers); the
+    validation samples' teacher-forced τ, what greedy speculative decoding at the training block size would get."""
+    fig, (left, right, tau) = plt.subplots(1, 3, figsize=(15, 4))
     left.plot(metrics["step"], metrics["loss"], color="tab:blue")
     left.set(xlabel="step", ylabel="decayed loss", title="training loss")
     acc_columns = [c for c in metrics.columns if c.startswith("acc_")]
@@ -36,6 +37,10 @@ def plot_training_curves(metrics: pd.DataFrame, path: Path) -> None:
             right.plot(validated["step"], validated[f"val_{column}"], color=color, linestyle="--", marker="o", markersize=3)
     right.set(xlabel="step", ylabel="top-1 accuracy", title="accuracy per block position (dashed: validation)", ylim=(0, 1))
     right.legend(fontsize=8)
+    validated = metrics[["step", "val_tau"]].dropna() if "val_tau" in metrics else pd.DataFrame()
+    if not validated.empty:
+        tau.plot(validated["step"], validated["val_tau"], color="tab:purple", marker="o", markersize=3)
+    tau.set(xlabel="step", ylabel="τ", title="validation τ (teacher-forced, whole block)")
     _save(fig, path)
 
 
@@ -70,11 +75,15 @@ def plot_position_acceptance(per_prompt: dict[str, pd.DataFrame], path: Path) ->
 
 
 def plot_speedup(summary: pd.DataFrame, path: Path) -> None:
-    """The drafter's speedup per set beside prompt lookup's (which needs no training), τ on each bar."""
-    fig, ax = plt.subplots(figsize=(7, 4))
+    """Each arm's speedup per set: the drafter, prompt lookup (which needs no training), the hybrid; τ on each bar."""
+    fig, ax = plt.subplots(figsize=(8, 4))
     x = range(len(summary))
-    width = 0.38
-    arms = (("dflash", "speedup", "tau", "tab:green", -width / 2), ("prompt lookup", "pld_speedup", "pld_tau", "tab:gray", width / 2))
+    width = 0.27
+    arms = (
+        ("dflash", "speedup", "tau", "tab:green", -width),
+        ("prompt lookup", "pld_speedup", "pld_tau", "tab:gray", 0.0),
+        ("hybrid", "hybrid_speedup", "hybrid_tau", "tab:blue", width),
+    )
     for label, speedup, tau, color, offset in arms:
         bars = ax.bar([i + offset for i in x], summary[speedup], width, color=color, label=label)
         for bar, value in zip(bars, summary[tau]):
@@ -83,6 +92,37 @@ def plot_speedup(summary: pd.DataFrame, path: Path) -> None:
     ax.set_xticks(list(x), summary["set"])
     ax.set(ylabel="speedup in time per output token", title="speedup over autoregressive decoding")
     ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def calibration_table(per_prompt: dict[str, pd.DataFrame], bins: int = 10) -> pd.DataFrame:
+    """The drafter arm's predicted acceptance (calibrated on validation data) against what decoding observed, per draft
+    position and bin of prediction: ``position, predicted, observed, count``."""
+    records = [
+        (int(k), float(p), int(a))
+        for rows in per_prompt.values()
+        for cell in rows["predictions"].dropna()
+        for k, p, a in (item.split(":") for item in str(cell).split())
+    ]
+    frame = pd.DataFrame(records, columns=["position", "predicted", "accepted"])
+    if frame.empty:
+        return pd.DataFrame(columns=["position", "predicted", "observed", "count"])
+    frame["bin"] = (frame["predicted"] * bins).clip(upper=bins - 1).astype(int)
+    table = frame.groupby(["position", "bin"]).agg(predicted=("predicted", "mean"), observed=("accepted", "mean"), count=("accepted", "size"))
+    return table.reset_index().drop(columns="bin")
+
+
+def plot_calibration(table: pd.DataFrame, path: Path) -> None:
+    """Reliability: predicted against observed acceptance in decoding, per draft position (marker area: count)."""
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1)
+    for position, rows in table.groupby("position"):
+        ax.scatter(rows["predicted"], rows["observed"], s=10 + 200 * rows["count"] / max(1, table["count"].max()), label=f"position {position}")
+        ax.plot(rows["predicted"], rows["observed"], linewidth=0.8)
+    ax.set(xlabel="predicted acceptance (calibrated on validation)", ylabel="observed acceptance in decoding", xlim=(0, 1), ylim=(0, 1))
+    ax.set_title("calibration of the drafter's confidence")
+    if len(table):
+        ax.legend(fontsize=8)
     _save(fig, path)
 
 
@@ -100,6 +140,9 @@ def build_report(metrics_csv: Path, train_summary_json: Path, card_json: Path, e
     plot_acceptance_histogram(per_prompt, out_dir / PLOTS[1])
     plot_position_acceptance(per_prompt, out_dir / PLOTS[2])
     plot_speedup(summary, out_dir / PLOTS[3])
+    calibration = calibration_table(per_prompt)
+    calibration.to_csv(out_dir / "calibration.csv", index=False)
+    plot_calibration(calibration, out_dir / PLOTS[4])
     card = json.loads(card_json.read_text())
     train_summary = json.loads(train_summary_json.read_text())
     page = f"""<!doctype html>
@@ -107,6 +150,7 @@ def build_report(metrics_csv: Path, train_summary_json: Path, card_json: Path, e
 <style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}} .table td,.table th{{padding:.2em .8em;text-align:right}}</style></head>
 <body><h1>DFlash run summary</h1>
 <h2>Evaluation</h2>{_table(summary)}
+<h2>Calibration in decoding</h2>{_table(calibration)}
 <h2>Training</h2>{_table(pd.DataFrame([train_summary]))}
 <h2>Data</h2><pre>{html.escape(json.dumps(card, indent=2))}</pre>
 </body></html>

@@ -9,6 +9,7 @@ training runs.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -19,6 +20,7 @@ from dflash.config import DrafterConfig, TrainConfig
 from dflash.distributed import Layout, all_reduce_sum
 from dflash.model import DFlashConfig, DFlashDrafter
 from dflash.objective import FrozenHeadCrossEntropy, position_accuracy
+from dflash.policy import acceptance_lengths
 from dflash.target import Target, native_bf16
 
 
@@ -56,6 +58,18 @@ def compile_drafter(drafter: DFlashDrafter, enabled: bool):
     return torch.compile(drafter, dynamic=True)
 
 
+def drafter_hidden(drafter_forward, target: Target, batch: Batch, attention_backend: str) -> torch.Tensor:
+    """The drafter's last hidden states over a batch's blocks ``[b, A*B, H]`` (the training mask, the frozen embedding)."""
+    device = target.device
+    blocks = batch.blocks
+    block_size = blocks.input_ids.shape[1] // batch.anchors.shape[1]
+    mask = build_training_mask(batch.anchors.to(device), batch.valid.to(device), batch.input_ids.shape[1], block_size, attention_backend)
+    with torch.no_grad():
+        block_embeddings = target.embed(blocks.input_ids.to(device))
+    context_positions = torch.arange(batch.input_ids.shape[1], device=device).expand(batch.input_ids.shape[0], -1)
+    return drafter_forward(batch.features.to(device), block_embeddings, context_positions, blocks.positions.to(device), mask)
+
+
 def drafter_loss(
     drafter_forward, target: Target, batch: Batch, attention_backend: str, head_chunk: int, head: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,11 +78,7 @@ def drafter_loss(
     device = target.device
     blocks = batch.blocks
     block_size = blocks.input_ids.shape[1] // batch.anchors.shape[1]
-    mask = build_training_mask(batch.anchors.to(device), batch.valid.to(device), batch.input_ids.shape[1], block_size, attention_backend)
-    with torch.no_grad():
-        block_embeddings = target.embed(blocks.input_ids.to(device))
-    context_positions = torch.arange(batch.input_ids.shape[1], device=device).expand(batch.input_ids.shape[0], -1)
-    hidden = drafter_forward(batch.features.to(device), block_embeddings, context_positions, blocks.positions.to(device), mask)
+    hidden = drafter_hidden(drafter_forward, target, batch, attention_backend)
     weights = blocks.weights.to(device).flatten()
     rows = weights.nonzero().squeeze(1)
     if blocks.soft_ids is not None:  # distillation: the target's top-k distribution
@@ -122,24 +132,82 @@ def train_step(forward, drafter: torch.nn.Module, optimizer, target: Target, bat
     return loss, correct, counted, grad_norm
 
 
+@dataclass
+class BlockOutcomes:
+    """The drafter on validation blocks: one row per block, one column per draft position 1..B-1."""
+
+    correct: torch.Tensor  # bool: its top token is the target's greedy token
+    counted: torch.Tensor  # bool: the position is labelled (in range, in the loss mask, in the draft vocabulary)
+    confidence: torch.Tensor  # its top token's probability
+
+    def accuracy(self) -> list[float]:
+        """Per position 1..B-1, over the labelled positions, as training's accuracy counts them."""
+        return ((self.correct & self.counted).sum(0) / self.counted.sum(0).clamp(min=1)).tolist()
+
+    def tau_sums(self) -> tuple[float, int]:
+        """Acceptance lengths summed over the blocks whose first position is labelled, and their count: greedy speculative
+        decoding's τ at this block size, teacher-forced (the cumulative product of correctness along each block)."""
+        blocks = self.counted[:, 0]
+        return float(acceptance_lengths(self.correct[blocks], self.counted[blocks]).sum()), int(blocks.sum())
+
+    @classmethod
+    def cat(cls, parts: list[BlockOutcomes]) -> BlockOutcomes:
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("correct", "counted", "confidence")))
+
+
 @torch.no_grad()
-def validation_accuracy(
-    drafter, target: Target, head: torch.Tensor, samples, rows, config: DFlashConfig, cfg: TrainConfig, vocab, layout: Layout, seed: int
-) -> list[float]:
-    """Per-position accuracy of ``drafter`` on validation ``samples`` (``rows``: the target's, by index), every
-    position weighted and anchors fixed by ``seed``, summed over the drafter ranks."""
+def block_outcomes(drafter, target: Target, head: torch.Tensor, batch: Batch, cfg: TrainConfig) -> BlockOutcomes:
+    """What the drafter drafts on a batch's blocks, every labelled position compared with the target's token."""
+    dtype = autocast_dtype(cfg.precision, target.device)
+    with torch.autocast(target.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        hidden = drafter_hidden(drafter, target, batch, cfg.attention_backend)
+    block_size = batch.blocks.input_ids.shape[1] // batch.anchors.shape[1]
+    hidden = hidden.view(-1, block_size, hidden.shape[-1])[:, 1:]
+    labels = batch.blocks.labels.view(-1, block_size)[:, 1:].to(target.device)
+    counted = batch.blocks.weights.view(-1, block_size)[:, 1:].to(target.device) > 0
+    top, predicted = [], []
+    for chunk in hidden.split(max(1, cfg.head_chunk // block_size)):
+        probs = torch.softmax((chunk.to(head.dtype) @ head.t()).float(), dim=-1)
+        best = probs.max(-1)
+        top.append(best.values)
+        predicted.append(best.indices)
+    predicted, top = torch.cat(predicted), torch.cat(top)
+    return BlockOutcomes(correct=((predicted == labels) & counted).cpu(), counted=counted.cpu(), confidence=top.cpu())
+
+
+def validation_outcomes(drafter, target: Target, head: torch.Tensor, samples, rows, config: DFlashConfig, cfg: TrainConfig, vocab, seed: int) -> BlockOutcomes:
+    """``block_outcomes`` over validation ``samples`` (``rows``: the target's, by index), every position weighted and anchors
+    fixed by ``seed``: this process's share of them is ``samples``."""
     cfg = dataclasses.replace(cfg, sample_loss_positions=False)
-    correct = torch.zeros(config.block_size, dtype=torch.float64)
-    counted = torch.zeros_like(correct)
-    dtype = autocast_dtype(cfg.precision, layout.device)
-    width, n, span = len(config.target_layer_ids) * config.hidden_size, len(samples), cfg.batch_size * layout.drafter_world
+    parts = []
+    for begin in range(0, len(samples), cfg.batch_size):
+        share = list(range(begin, min(len(samples), begin + cfg.batch_size)))
+        batch = make_batch(samples, share, [rows[i] for i in share], config, cfg, seed, 0, vocab)
+        parts.append(block_outcomes(drafter, target, head, batch, cfg))
+    return BlockOutcomes.cat(parts)
+
+
+@torch.no_grad()
+def validation_metrics(
+    drafter, target: Target, head: torch.Tensor, samples, rows, config: DFlashConfig, cfg: TrainConfig, vocab, layout: Layout, seed: int
+) -> tuple[list[float], float]:
+    """Per-position accuracy (positions 0..B-1; 0 is never drafted) and teacher-forced τ of ``drafter`` on validation
+    ``samples`` (``rows``: the target's, by index), every position weighted and anchors fixed by ``seed``, summed over
+    the drafter ranks."""
+    cfg = dataclasses.replace(cfg, sample_loss_positions=False)
+    width = len(config.target_layer_ids) * config.hidden_size
+    span = cfg.batch_size * layout.drafter_world
+    sums = torch.zeros(2 * config.block_size + 2, dtype=torch.float64)  # correct, counted per position; τ sum, blocks
     # The same batches on every rank, so that each takes part in every forward (FSDP gathers parameters in each).
-    for begin in range(0, n, span):
-        share = rank_slice(list(range(begin, min(n, begin + span))), layout.rank, layout.drafter_world)
+    for begin in range(0, len(samples), span):
+        share = rank_slice(list(range(begin, min(len(samples), begin + span))), layout.rank, layout.drafter_world)
         batch = make_batch(samples, share, [rows[i] for i in share], config, cfg, seed, 0, vocab) if share else idle_batch(samples, 0, width, config, cfg)
-        with torch.autocast(layout.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            _, c, k = drafter_loss(drafter, target, batch, cfg.attention_backend, cfg.head_chunk, head)
-        correct += c.double().cpu()
-        counted += k.double().cpu()
-    totals = all_reduce_sum(torch.cat([correct, counted]).to(layout.device), layout).cpu()
-    return (totals[: correct.numel()] / totals[correct.numel() :].clamp(min=1)).tolist()
+        outcome = block_outcomes(drafter, target, head, batch, cfg)
+        if share:
+            tau_sum, blocks = outcome.tau_sums()
+            sums[1 : config.block_size] += (outcome.correct & outcome.counted).sum(0).double()
+            sums[config.block_size + 1 : 2 * config.block_size] += outcome.counted.sum(0).double()
+            sums[-2:] += torch.tensor([tau_sum, blocks], dtype=torch.float64)
+    totals = all_reduce_sum(sums.to(layout.device), layout).cpu()
+    accuracy = (totals[: config.block_size] / totals[config.block_size : 2 * config.block_size].clamp(min=1)).tolist()
+    return accuracy, float(totals[-2] / totals[-1].clamp(min=1))

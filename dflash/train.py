@@ -32,7 +32,7 @@ from dflash.config import DrafterConfig, TrainConfig
 from dflash.distributed import Layout, all_reduce_sum
 from dflash.features import CachedFeatures, HiddenStateCache, Meter, OnlineFeatures, ReceivedFeatures, serve_features, total_rate
 from dflash.model import DFlashConfig
-from dflash.step import compile_drafter, drafter_config_for, normalise_globally, train_step, training_drafter, validation_accuracy
+from dflash.step import compile_drafter, drafter_config_for, normalise_globally, train_step, training_drafter, validation_metrics
 from dflash.target import Target, preparation_dtype
 from dflash.vocab import DraftVocab
 
@@ -54,6 +54,7 @@ class TrainResult:
     draft_vocab: int | None = None  # tokens the drafter drafts (None: the target's whole vocabulary)
     draft_vocab_coverage: float = 1.0  # the share of the training responses' tokens it holds
     validation_accuracy: list[float] | None = None  # per block position 1..B-1 on the validation samples, at the end
+    validation_tau: float | None = None  # teacher-forced acceptance length on them, at the end
     peak_memory_gb: float | None = None  # CUDA: the most this rank's device held
 
 
@@ -90,6 +91,21 @@ def validation_due(previous: int, done: int, every: int, total: int) -> bool:
     """Whether the metrics row of step ``done`` (the last row was at ``previous``) carries validation accuracy:
     the first row at or after each multiple of ``every``, and the last row of the run."""
     return done // every > previous // every or done == total
+
+
+# Settings that change what is logged or how often state is saved, never what is trained: a run resumes across them.
+OBSERVATION_KEYS = {"train": ("log_every", "validate_every", "checkpoint_every"), "tracking": None}
+
+
+def resumable_settings(run_config: dict) -> dict:
+    """The settings a checkpoint belongs to: the run's config without ``OBSERVATION_KEYS``."""
+    kept = {}
+    for section, value in run_config.items():
+        dropped = OBSERVATION_KEYS.get(section, ())
+        if dropped is None:
+            continue
+        kept[section] = {k: v for k, v in value.items() if k not in dropped} if isinstance(value, dict) else value
+    return kept
 
 
 def lr_factor(step: int, total_steps: int, warmup_ratio: float) -> float:
@@ -228,12 +244,13 @@ def _train(run: RunContext, source, first: int, checkpoint: Path | None) -> Trai
                 row.update({f"acc_{k}": acc[k] for k in range(1, config.block_size)})
                 previous = progress.rows[-1]["step"] if progress.rows else 0
                 checked = run.checks is not None and validation_due(previous, done, cfg.validate_every, schedule.total)
-                validated = (
-                    validation_accuracy(drafter, run.target, head, run.validation, run.checks, config, cfg, run.vocab, layout, schedule.seed)
+                validated, val_tau = (
+                    validation_metrics(drafter, run.target, head, run.validation, run.checks, config, cfg, run.vocab, layout, schedule.seed)
                     if checked
-                    else [float("nan")] * config.block_size
+                    else ([float("nan")] * config.block_size, float("nan"))
                 )
                 row.update({f"val_acc_{k}": validated[k] for k in range(1, config.block_size)})
+                row["val_tau"] = val_tau
                 progress.rows.append(row)
                 progress.correct.zero_()
                 progress.counted.zero_()
@@ -245,9 +262,6 @@ def _train(run: RunContext, source, first: int, checkpoint: Path | None) -> Trai
                 save_checkpoint(run.checkpoint_dir, done, drafter, optimizer, scheduler, progress, layout)
     end = time.perf_counter()
     save_drafter(drafter, config, run.out_dir, layout, run.vocab)
-    if layout.is_main:
-        # The run is complete: its checkpoints would only let a later rerun (of changed code, say) resume stale state.
-        shutil.rmtree(run.checkpoint_dir, ignore_errors=True)
     steady_tokens = tokens_seen - steady[1]
     return TrainResult(
         steps=schedule.total,
@@ -263,6 +277,7 @@ def _train(run: RunContext, source, first: int, checkpoint: Path | None) -> Trai
         draft_vocab=len(run.vocab) if run.vocab is not None else None,
         draft_vocab_coverage=run.vocab_coverage,
         validation_accuracy=[progress.rows[-1][f"val_acc_{k}"] for k in range(1, config.block_size)] if run.checks is not None else None,
+        validation_tau=progress.rows[-1].get("val_tau") if run.checks is not None else None,
         peak_memory_gb=round(torch.cuda.max_memory_allocated(layout.device) / 1e9, 2) if layout.device.type == "cuda" else None,
     )
 
@@ -295,7 +310,7 @@ def run_train_stage(sections: dict, args) -> TrainResult:
     dtype = preparation_dtype(sections["train"].target_dtype, layout.device)
     target = load_from_manifest(args.target_manifest, device=layout.device, dtype=dtype, layers=layout.rank in layout.layer_holders)
     run_config = {key: json.loads(canonical_json(value)) for key, value in sections.items()} | {"seed": args.seed}
-    fingerprint = config_hash(run_config | {"samples": HiddenStateCache.cache_key(samples, target.source, [])})
+    fingerprint = config_hash(resumable_settings(run_config) | {"samples": HiddenStateCache.cache_key(samples, target.source, [])})
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tracking = sections["tracking"]
@@ -326,4 +341,8 @@ def run_train_stage(sections: dict, args) -> TrainResult:
             result.steps, result.seconds, result.tokens_per_second, result.target_tokens_per_second, layout.world, out_dir / "drafter",
         )  # fmt: skip
     distributed.shutdown(layout)
+    if layout.is_main:
+        # The stage is complete (drafter, summary, tracker): its checkpoints would only let a later rerun (of changed
+        # code, say) resume stale state. Until here, a failure leaves them for the rerun to resume from.
+        shutil.rmtree(args.checkpoint_dir / fingerprint, ignore_errors=True)
     return result

@@ -38,6 +38,8 @@ def test_empty_config_takes_every_default():
         ({"train": {"compile": "yes"}}, "train.compile"),
         ({"train": {"lr": "nan"}}, "train.lr"),
         ({"drafter": {"layer_ids": ["1", "x"]}}, "drafter.layer_ids"),
+        ({"eval": {"verify_cost": [1.0, 0.0]}}, "eval.verify_cost"),
+        ({"eval": {"linear_kernel": "mkl"}}, "eval.linear_kernel"),
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(raw, key):
@@ -138,3 +140,12 @@ def test_shipped_configs_pass_schema_and_dataclasses(path):
 def test_schema_rejects_unknown_keys():
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"train": {"lrr": 1}}, SCHEMA)
+
+
+def test_the_command_line_validates_a_section_as_the_workflow_does(capsys):
+    """A range the typed config checks is named on the CLI path too, before any stage runs (not a ZeroDivisionError)."""
+    from dflash.cli import main
+
+    paths = ["--target-manifest", "t.json", "--samples", "s.parquet", "--out-dir", "out", "--checkpoint-dir", "ckpt"]
+    assert main(["train", "--train", '{"log_every": 0}', *paths]) == 1
+    assert "error: train.log_every: must be at least 1, got 0" in capsys.readouterr().err

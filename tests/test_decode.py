@@ -203,7 +203,11 @@ def test_always_wrong_drafter_gains_nothing_and_loses_nothing():
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_earlier_ngram():
-    propose = PromptLookupProposer(PromptLookup(num_tokens=3, max_ngram=2)).propose
+    proposer = PromptLookupProposer(PromptLookup(num_tokens=3, max_ngram=2))
+
+    def propose(tokens, count):
+        return proposer.propose(tokens, count).tokens
+
     assert propose([5, 6, 7, 8, 9, 6, 7], 3) == [8, 9, 6]  # "6 7" first stood at 1..2, followed by 8 9 6
     assert propose([1, 2, 3, 4, 3], 3) == [4, 3]  # "4 3" never stood before; "3" did, at 2: 4 3 followed
     assert propose([7, 1, 7, 2, 7], 3) == [2, 7]  # the latest earlier "7" (at 2), not the first
@@ -239,4 +243,4 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(qwen3_targ
         ids = random_prompt(length, seed)
         gen = speculative_generate(qwen3_target, drafter, ids, MAX_NEW, block_size=8)
         assert gen.tokens.tolist() == greedy(qwen3_target, ids, MAX_NEW)
-    assert proposed and all(token % 3 == 0 for proposal in proposed for token in proposal)
+    assert proposed and all(token % 3 == 0 for proposal in proposed for token in proposal.tokens)

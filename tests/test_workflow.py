@@ -59,6 +59,14 @@ SUMMARY_COLUMNS = [
     "pld_speedup",
     "tpot_pld_ms",
     "pld_lossless",
+    "hybrid_tau",
+    "hybrid_speedup",
+    "tpot_hybrid_ms",
+    "hybrid_lossless",
+    "hybrid_lookup_share",
+    "verified",
+    "val_tau",
+    "val_tau_gated",
     "device",
 ]
 EVAL_SETS = ["chat", "local", "humaneval"]
@@ -303,6 +311,13 @@ def test_evaluation_summary_is_lossless_on_every_set(e2e):
     assert (summary["speedup"] > 0).all()
     # The prompt-lookup arm decodes the same prompts in the same loop, as losslessly.
     assert summary["pld_lossless"].tolist() == [True, True, True] and (summary["pld_tau"] >= 1.0).all() and (summary["pld_speedup"] > 0).all()
+    # So does the hybrid; the teacher-forced τ on validation is a τ of the block size.
+    assert summary["hybrid_lossless"].tolist() == [True, True, True] and (summary["hybrid_tau"] >= 1.0).all()
+    assert summary["val_tau"].between(1.0, 4.0).all() and summary["val_tau_gated"].between(1.0, 4.0).all()
+    assert summary["verified"].between(0.0, 3.0).all()
+    cost = json.loads((results / "eval" / "verify_cost.json").read_text())
+    assert len(cost["relative"]) == 4 and cost["relative"][0] == 1.0 and cost["draft"] > 0
+    assert (results / "eval" / "calibration.json").is_file()
     assert (summary["device"] == "cpu").all()
     for name in EVAL_SETS:
         rows = pd.read_csv(results / "eval" / f"{name}.csv")
@@ -454,6 +469,8 @@ DOWNSTREAM_OF_TRAIN = {"train", "evaluate", "report", "all"}
         (lambda c: _set(c, "drafter.num_hidden_layers", 2), {"warmup_cache"} | DOWNSTREAM_OF_TRAIN),
         # New samples: new batch shapes for the warmup to compile.
         (lambda c: _set(c, "data.generation.max_new_tokens", 12), {"prepare_data", "warmup_cache"} | DOWNSTREAM_OF_TRAIN),
+        # How requests reach servers changes no response: nothing reruns.
+        (lambda c: _set(_set(c, "data.generation.concurrency", 3), "data.generation.timeout", 30.0), set()),
         (lambda c: _set(c, "preflight.repro_fx_race.trials", 2), {"repro_fx_race"} | DOWNSTREAM_OF_TRAIN),
         (lambda c: _set(c, "target.dtype", "bfloat16"), {"prepare_target", "prepare_data", "warmup_cache"} | DOWNSTREAM_OF_TRAIN),
     ],
@@ -467,6 +484,7 @@ DOWNSTREAM_OF_TRAIN = {"train", "evaluate", "report", "all"}
         "train-max_anchors",
         "drafter-layers",
         "data-generation",
+        "data-transport",
         "preflight-race",
         "target-dtype",
     ],

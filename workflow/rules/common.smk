@@ -1,6 +1,7 @@
 # Helpers shared by all stages: the validated config, per-stage config sections, the package files each stage runs.
 import ast
 import functools
+import json
 import sys
 from pathlib import Path
 
@@ -9,7 +10,7 @@ from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
 sys.path.insert(0, workflow.basedir)
-from dflash.config import ConfigError, canonical_json, check_local_sources, load_config, to_dict
+from dflash.config import TRANSPORT_KEYS, ConfigError, canonical_json, check_local_sources, load_config, to_dict
 
 
 # The typed config first: its messages name the dotted key ("train.lrr: unknown key; allowed keys here
@@ -30,6 +31,8 @@ if workflow.resource_settings.cores is None and workflow.resource_settings.nodes
 
 RESULTS = "results"
 LOGS = f"{RESULTS}/logs"
+# The verdict of the preflight checks that take seconds (env_check, then smoke_imports): every expensive stage waits for it.
+PREFLIGHT_FAST = f"{RESULTS}/preflight/smoke_imports.json"
 ENV = "../../envs/dflash.yaml"
 
 # Shell commands run `python -m dflash`: the interpreter running Snakemake, so that a venv works without

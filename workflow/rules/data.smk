@@ -10,6 +10,9 @@ rule prepare_target:
         package("target"),
         # A local model directory: its weights, config and tokenizer.
         local_inputs(CFG.target.source),
+        # The checks that take seconds run before the stages that take hours; ancient: a rewritten verdict alone
+        # (the preflight's code changed, say) reruns nothing here.
+        ancient(PREFLIGHT_FAST),
     conda:
         ENV
     log:
@@ -18,10 +21,18 @@ rule prepare_target:
         "python -m dflash prepare-target --target {params.target:q} --out {output} > {log} 2>&1"
 
 
+def data_section(transport):
+    """The data section without (``transport=False``) or with only (``True``) the keys of how requests reach servers."""
+    data = json.loads(section("data"))
+    moved = {key: data["generation"].pop(key) for key in TRANSPORT_KEYS}
+    return canonical_json(moved if transport else data)
+
+
 rule prepare_data:
     input:
         package("target", "data", "generation"),
         local_inputs(CFG.data.prompts.source, embedded=f"{workflow.basedir}/dflash/assets/chat_prompts.jsonl"),
+        ancient(PREFLIGHT_FAST),
         manifest=rules.prepare_target.output[0],
     output:
         samples=f"{RESULTS}/data/train.parquet",
@@ -29,7 +40,7 @@ rule prepare_data:
         heldout=f"{RESULTS}/data/heldout.jsonl",
         card=f"{RESULTS}/data/card.json",
     params:
-        data=section("data"),
+        data=data_section(transport=False),
         seed=CFG.seed,
         out_dir=lambda wc, output: Path(output.samples).parent,
         # Complete chunks of regenerated responses, outside the declared outputs (which Snakemake deletes on
@@ -43,10 +54,12 @@ rule prepare_data:
         tasks=CFG.topology.nnodes,
         launcher=launcher(CFG.topology),
         topology=section("topology", only=["device"]),
+        # How requests reach the servers: a resource, so that changing it regenerates nothing and retrains nothing.
+        transport=data_section(transport=True),
     conda:
         ENV
     log:
         f"{LOGS}/prepare_data.log",
     shell:
-        "{resources.launcher} -m dflash prepare-data --data {params.data:q} --topology {resources.topology:q} --seed {params.seed} "
+        "{resources.launcher} -m dflash prepare-data --data {params.data:q} --transport {resources.transport:q} --topology {resources.topology:q} --seed {params.seed} "
         "--target-manifest {input.manifest} --out-dir {params.out_dir} --chunk-dir {params.chunk_dir} > {log} 2>&1"

@@ -3,12 +3,14 @@
 
 rule evaluate:
     input:
-        package("target", "data", "model", "attention", "decode", "evaluate", "preflight/gate"),
+        package("target", "data", "model", "attention", "decode", "evaluate", "policy", "kernels", "step", "features", "preflight/gate"),
         # Evaluation sets read from local prompt files.
         [f for s in CFG.eval.sets if s.source not in ("heldout", "humaneval") for f in local_inputs(s.source)],
         manifest=rules.prepare_target.output[0],
         drafter=rules.train.output.drafter,
         heldout=rules.prepare_data.output.heldout,
+        # The calibration of the drafter's confidence.
+        validation=rules.prepare_data.output.validation,
     output:
         summary=report(
             f"{RESULTS}/eval/summary.csv",
@@ -16,6 +18,8 @@ rule evaluate:
             category="Evaluation",
         ),
         per_set=expand(f"{RESULTS}/eval/{{name}}.csv", name=[s.name for s in CFG.eval.sets]),
+        calibration=f"{RESULTS}/eval/calibration.json",
+        verify_cost=f"{RESULTS}/eval/verify_cost.json",
     params:
         eval=section("eval"),
         # Which device decodes: the first GPU on GPU configs.
@@ -30,4 +34,4 @@ rule evaluate:
         f"{LOGS}/evaluate.log",
     shell:
         "python -m dflash evaluate --eval {params.eval:q} --topology {params.topology:q} --target-manifest {input.manifest} "
-        "--drafter {input.drafter} --heldout {input.heldout} --out-dir {params.out_dir} > {log} 2>&1"
+        "--drafter {input.drafter} --heldout {input.heldout} --validation {input.validation} --out-dir {params.out_dir} > {log} 2>&1"

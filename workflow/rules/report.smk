@@ -18,6 +18,7 @@ rule report:
             f"{RESULTS}/report/position_acceptance.png", caption="../report/position_acceptance.rst", category="Evaluation"
         ),
         speedup=report(f"{RESULTS}/report/speedup.png", caption="../report/speedup.rst", category="Evaluation"),
+        calibration=report(f"{RESULTS}/report/calibration.png", caption="../report/calibration.rst", category="Evaluation"),
         html=report(f"{RESULTS}/report/summary.html", caption="../report/summary.rst", category="Summary"),
     params:
         out_dir=lambda wc, output: Path(output.html).parent,

@@ -1,0 +1,207 @@
+"""How many draft tokens a decoding step verifies: the target's verify cost, calibrated confidence, the gate.
+
+A verify of k tokens costs c(k) target steps (c(1) = 1), measured on the
+machine at hand. A proposal of n tokens whose conditional acceptance
+probabilities are q_1..q_n (q_j: token j is accepted given that 1..j-1 were)
+commits, in expectation,
+
+    E(n) = 1 + sum_{m <= n} prod_{j <= m} q_j
+
+tokens, counting the target's own next token. The gate proposes the n in
+0..N that maximises E(n) / (C(n + 1) + d): C(k) is the cheapest measured
+width at or above k (a verify is padded to that width, its extra slots filled
+with more draft tokens, which can only add accepted tokens), d what drafting
+costs per step. With no confidence it proposes nothing; with full confidence,
+the whole block wherever the verify costs less than a step per token.
+
+The drafter's q come from its own top probability at each block position,
+calibrated on validation data (``Calibration``); prompt lookup's from the
+acceptance observed so far for proposals of the same match length
+(``LookupConfidence``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dflash.errors import InputError
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    """The target's forward over k new tokens, relative to one token: ``relative[k - 1]`` = c(k) / c(1)."""
+
+    relative: tuple[float, ...]
+    step_ms: float | None = None  # c(1), where measured
+
+    def __post_init__(self):
+        if not self.relative or any(c <= 0 for c in self.relative):
+            raise InputError(f"a verify cost table needs positive costs for widths 1..k, got {list(self.relative)}")
+
+    @property
+    def max_width(self) -> int:
+        return len(self.relative)
+
+    def width(self, wanted: int) -> int:
+        """The cheapest width at or above ``wanted`` (the first of equals): what a verify of ``wanted`` tokens is padded to."""
+        if not 1 <= wanted <= self.max_width:
+            raise ValueError(f"width {wanted} outside the cost table's 1..{self.max_width}")
+        return min(range(wanted, self.max_width + 1), key=lambda k: (self.relative[k - 1], k))
+
+    def cost(self, wanted: int) -> float:
+        return self.relative[self.width(wanted) - 1]
+
+    def best_length(self, accept: Sequence[float], draft_cost: float = 0.0) -> tuple[int, float]:
+        """``(n, gain)``: how many tokens to verify after the last committed one, and the expected committed tokens per
+        unit of cost that gives: the best over the proposal's prefixes, each padded to its cheapest width (slots past
+        the proposal's end expect nothing). ``accept`` holds the proposal's conditional acceptance probabilities."""
+        limit = min(len(accept), self.max_width - 1)
+        best, best_gain = 0, 0.0
+        for n in range(limit + 1):
+            width = self.width(n + 1)
+            gain = expected_tokens(accept[: width - 1]) / (self.relative[width - 1] + draft_cost)
+            if gain > best_gain + 1e-12:
+                best, best_gain = width - 1, gain
+        return best, best_gain
+
+    def to_dict(self) -> dict:
+        return {"relative": list(self.relative), "step_ms": self.step_ms}
+
+
+def expected_tokens(accept: Sequence[float]) -> float:
+    """E(n) for the whole proposal: the target's token plus the expected accepted prefix."""
+    expected, prefix = 1.0, 1.0
+    for q in accept:
+        prefix *= q
+        expected += prefix
+    return expected
+
+
+def _median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times) * 1e3
+
+
+@torch.no_grad()
+def measure_verify_cost(target, max_width: int, context: int = 256, repeats: int = 7) -> VerifyCost:
+    """c(k)/c(1) for k = 1..``max_width``: the target's forward over k new tokens after ``context`` cached ones, as
+    decoding runs it (the median of ``repeats``, the widths interleaved so that load hits each alike)."""
+    from transformers import DynamicCache
+
+    device = target.device
+    ids = torch.randint(0, target.config.vocab_size, (1, context + max_width), generator=torch.Generator().manual_seed(0)).to(device)
+    cache = DynamicCache(config=target.config)
+    target.model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
+
+    def verify(k: int) -> None:
+        target.model(input_ids=ids[:, context : context + k], position_ids=torch.arange(context, context + k, device=device)[None], cache=cache, use_cache=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        cache.crop(-k)
+
+    for k in range(1, max_width + 1):  # warm every width once
+        verify(k)
+    times: dict[int, list[float]] = defaultdict(list)
+    for _ in range(repeats):
+        for k in range(1, max_width + 1):
+            times[k].append(_median_ms(lambda k=k: verify(k), 1))
+    medians = [statistics.median(times[k]) for k in range(1, max_width + 1)]
+    return VerifyCost(relative=tuple(m / medians[0] for m in medians), step_ms=medians[0])
+
+
+@dataclass
+class Calibration:
+    """Per draft position k: the probability that it is accepted given that 1..k-1 were, as a non-decreasing step
+    function of the drafter's top probability there (equal-count bins made monotone by pooling adjacent violators)."""
+
+    upper: list[list[float]]  # per position: each bin's highest top probability (the last bin takes everything above)
+    rates: list[list[float]]  # per position: each bin's observed acceptance
+    counts: list[list[int]]
+
+    @property
+    def positions(self) -> int:
+        return len(self.rates)
+
+    def __call__(self, probs: Sequence[float]) -> list[float]:
+        out = []
+        for k, p in enumerate(probs):
+            if k >= self.positions or not self.rates[k]:
+                out.append(0.0)  # never observed: no claim of acceptance
+                continue
+            upper, rates = self.upper[k], self.rates[k]
+            out.append(next((r for u, r in zip(upper, rates) if p <= u), rates[-1]))
+        return out
+
+    @classmethod
+    def fit(cls, probs: torch.Tensor, correct: torch.Tensor, counted: torch.Tensor, bins: int = 10) -> Calibration:
+        """From blocks ``[N, P]``: the drafter's top probability at positions 1..P, whether it was the target's token,
+        and whether the position was labelled. Position k uses the blocks whose positions 1..k-1 were all correct."""
+        upper, rates, counts = [], [], []
+        prefix = torch.ones(probs.shape[0], dtype=torch.bool)
+        for k in range(probs.shape[1]):
+            use = prefix & counted[:, k]
+            p, y = probs[use, k].double(), correct[use, k].double()
+            order = p.argsort()
+            p, y = p[order], y[order]
+            groups = [g for g in torch.tensor_split(torch.arange(len(p)), min(bins, len(p))) if len(g)] if len(p) else []
+            # Pool adjacent violators: merge bins until the rates never fall as the probability rises.
+            pooled: list[list[float]] = []  # [upper, sum of correct, count]
+            for g in groups:
+                pooled.append([float(p[g[-1]]), float(y[g].sum()), len(g)])
+                while len(pooled) > 1 and pooled[-2][1] / pooled[-2][2] >= pooled[-1][1] / pooled[-1][2]:
+                    last = pooled.pop()
+                    pooled[-1] = [last[0], pooled[-1][1] + last[1], pooled[-1][2] + last[2]]
+            upper.append([u for u, _, _ in pooled])
+            rates.append([s / n for _, s, n in pooled])
+            counts.append([n for _, _, n in pooled])
+            prefix = prefix & correct[:, k] & counted[:, k]
+        return cls(upper=upper, rates=rates, counts=counts)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({"upper": self.upper, "rates": self.rates, "counts": self.counts}, indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> Calibration:
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(upper=data["upper"], rates=data["rates"], counts=data["counts"])
+        except (OSError, ValueError, KeyError) as err:
+            raise InputError(f"{path}: not a calibration written by dflash ({err}); rerun the evaluate stage") from err
+
+
+def acceptance_lengths(correct: torch.Tensor, counted: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Per block ``[N, P]``: the acceptance length greedy speculative decoding gets from it, 1 plus the run of correct
+    positions from the first (a position not labelled ends the run); ``lengths`` ``[N]`` caps how many are verified."""
+    run = (correct & counted).int().cumprod(1)
+    if lengths is not None:
+        run = run * (torch.arange(run.shape[1])[None] < lengths[:, None])
+    return 1 + run.sum(1)
+
+
+@dataclass
+class LookupConfidence:
+    """Prompt lookup's acceptance so far, by match length and position: (accepted + 1) / (tried + 2) for the k-th token
+    of a proposal whose n-gram matched ``match`` tokens, given tokens 1..k-1 were accepted."""
+
+    tried: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))
+    accepted: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))
+
+    def __call__(self, match: int, count: int) -> list[float]:
+        return [(self.accepted[match, k] + 1) / (self.tried[match, k] + 2) for k in range(1, count + 1)]
+
+    def update(self, match: int, verified: int, accepted: int) -> None:
+        for k in range(1, min(verified, accepted + 1) + 1):
+            self.tried[match, k] += 1
+            self.accepted[match, k] += k <= accepted

@@ -1,0 +1,215 @@
+"""The verify-length gate, the calibration, prompt lookup's confidence, the hybrid, and the packed linears."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_drafter, build_target, qwen3_config, random_prompt
+from test_decode import constant_drafter, constant_target, greedy
+
+from dflash.decode import DFlashProposer, GatedProposer, PromptLookup, PromptLookupProposer, Proposal, speculative_generate
+from dflash.kernels import PackedLinear, pack_linears, packed_kernel_available
+from dflash.policy import Calibration, LookupConfidence, VerifyCost, acceptance_lengths, expected_tokens
+from dflash.step import BlockOutcomes
+
+# -- the gate ----------------------------------------------------------------------------------------------
+
+
+def test_gate_proposes_nothing_without_confidence_and_the_whole_block_with_full_confidence():
+    cost = VerifyCost((1.0, 1.2, 1.3, 1.5))
+    assert cost.best_length([0.0, 0.0, 0.0]) == (0, 1.0)
+    # Full confidence: 4 tokens for 1.5 steps beats 3 for 1.3, 2 for 1.2 and 1 for 1.0.
+    n, gain = cost.best_length([1.0, 1.0, 1.0])
+    assert n == 3 and gain == pytest.approx(4 / 1.5)
+    # A verify that costs a step per token never pays, however sure the drafter is; ties go to the shorter verify.
+    assert VerifyCost((1.0, 2.0, 3.0)).best_length([1.0, 1.0]) == (0, 1.0)
+
+
+def test_gate_weighs_expected_tokens_against_cost_and_the_drafting_cost():
+    cost = VerifyCost((1.0, 1.2, 1.3))
+    # q = (0.5, 0.5): E(1) = 1.5 at 1.2 → 1.25; E(2) = 1.75 at 1.3 → 1.346; E(0) = 1 at 1.0.
+    assert cost.best_length([0.5, 0.5]) == (2, pytest.approx(1.75 / 1.3))
+    # q = (0.15, 0): E(1) = 1.15 at 1.2 → 0.958 < 1: stay silent.
+    assert cost.best_length([0.15, 0.0])[0] == 0
+    # A drafting cost of 0.5 step is paid whatever is verified: 1.15 / 1.7 = 0.68 > 1 / 1.5 = 0.67.
+    assert cost.best_length([0.15, 0.0], draft_cost=0.5)[0] == 1
+    assert expected_tokens([0.5, 0.5]) == 1.75
+
+
+def test_verify_is_padded_to_the_cheapest_width_at_or_above_the_wanted_one():
+    cost = VerifyCost((1.0, 1.7, 2.3, 1.4))  # a BLAS whose 4-row product is cheaper than its 2- and 3-row ones
+    assert [cost.width(k) for k in (1, 2, 3, 4)] == [1, 4, 4, 4]
+    assert cost.cost(2) == 1.4
+    # One confident token is verified at width 4 with two more draft tokens: E = 1 + .9 + .9*.2 + .9*.2*.1.
+    n, gain = cost.best_length([0.9, 0.2, 0.1])
+    assert n == 3 and gain == pytest.approx((1 + 0.9 + 0.18 + 0.018) / 1.4)
+    # Past the proposal's end the padding expects nothing: one token, width 4.
+    assert cost.best_length([0.9]) == (3, pytest.approx(1.9 / 1.4))
+    with pytest.raises(ValueError):
+        VerifyCost((1.0, -1.0))
+
+
+# -- calibration and τ -------------------------------------------------------------------------------------
+
+
+def test_calibration_is_monotone_and_conditions_on_the_accepted_prefix():
+    # Position 1: probabilities 0.1..0.8, correct at 0.2 but not 0.3 (a violation the pooling merges).
+    probs = torch.tensor([[0.1, 0.9], [0.2, 0.9], [0.3, 0.9], [0.4, 0.9], [0.7, 0.9], [0.8, 0.9]])
+    correct = torch.tensor([[0, 0], [1, 1], [0, 0], [0, 0], [1, 1], [1, 0]], dtype=torch.bool)
+    counted = torch.ones_like(correct)
+    cal = Calibration.fit(probs, correct, counted, bins=6)
+    # Bins of one: 0,1,0,0,1,1 → pooled until the rates rise strictly: [0] [1,0,0]=1/3 [1,1].
+    assert cal.rates[0] == pytest.approx([0.0, 1 / 3, 1.0])
+    assert cal.counts[0] == [1, 3, 2] and cal.upper[0] == pytest.approx([0.1, 0.4, 0.8])
+    assert cal([0.05, 0.9]) == pytest.approx([0.0, 2 / 3])
+    assert cal([0.35])[0] == pytest.approx(1 / 3) and cal([0.99])[0] == 1.0
+    # Position 2 sees only the blocks whose position 1 was correct (rows 1, 4, 5): 2 of 3 accepted.
+    assert sum(cal.counts[1]) == 3 and cal([0.5, 0.9])[1] == pytest.approx(2 / 3)
+
+
+def test_calibration_round_trips_and_rejects_a_foreign_file(tmp_path):
+    cal = Calibration(upper=[[0.5, 1.0]], rates=[[0.1, 0.6]], counts=[[4, 4]])
+    cal.save(tmp_path / "calibration.json")
+    assert Calibration.load(tmp_path / "calibration.json") == cal
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a calibration"):
+        Calibration.load(tmp_path / "bad.json")
+
+
+def test_training_tau_is_the_cumulative_product_of_correctness():
+    # Blocks of 3 draft positions: τ = 1 + the run of correct positions from the first.
+    correct = torch.tensor([[1, 1, 1], [1, 0, 1], [0, 1, 1], [1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    counted = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    assert acceptance_lengths(correct, counted).tolist() == [4, 2, 1, 3, 3]
+    assert acceptance_lengths(correct, counted, torch.tensor([1, 3, 3, 0, 2])).tolist() == [2, 2, 1, 1, 3]
+    # A block whose first position is not labelled (padding) does not count.
+    outcomes = BlockOutcomes(
+        correct=torch.cat([correct, torch.zeros(1, 3, dtype=torch.bool)]),
+        counted=torch.cat([counted, torch.zeros(1, 3, dtype=torch.bool)]),
+        confidence=torch.zeros(6, 3),
+    )
+    assert outcomes.tau_sums() == (13.0, 5)
+    assert outcomes.accuracy() == pytest.approx([4 / 5, 4 / 5, 3 / 4])
+
+
+def test_lookup_confidence_counts_acceptance_by_match_length_and_position():
+    confidence = LookupConfidence()
+    assert confidence(3, 2) == [0.5, 0.5]  # nothing seen yet
+    confidence.update(match=3, verified=3, accepted=1)  # position 1 accepted, 2 rejected, 3 never reached
+    confidence.update(match=3, verified=3, accepted=3)
+    assert confidence(3, 3) == pytest.approx([3 / 4, 2 / 4, 2 / 3])
+    assert confidence(1, 1) == [0.5]
+
+
+# -- gated and hybrid decoding -----------------------------------------------------------------------------
+
+
+def _fixed(q: float) -> Calibration:
+    """A calibration that maps every probability at positions 1..16 to ``q``."""
+    return Calibration(upper=[[1.0]] * 16, rates=[[q]] * 16, counts=[[1]] * 16)
+
+
+def test_gated_drafter_without_confidence_decodes_step_by_step_and_with_full_confidence_drafts_whole_blocks():
+    target = constant_target()
+    drafter = constant_drafter(target, +1.0, block_size=8)  # the oracle: always right
+    ids = random_prompt(5, 30)
+    cost = VerifyCost((1.0,) + (1.5,) * 7)
+    silent = speculative_generate(target, GatedProposer([DFlashProposer(target, drafter, _fixed(0.0))], cost), ids, 17)
+    assert silent.stats.verified == [0] * 16 and silent.stats.acceptance_lengths == [1] * 16
+    sure = speculative_generate(target, GatedProposer([DFlashProposer(target, drafter, _fixed(1.0))], cost), ids, 17)
+    assert sure.stats.verified == [7, 7] and sure.stats.acceptance_lengths == [8, 8]
+    assert silent.tokens.tolist() == sure.tokens.tolist() == greedy(target, ids, 17)
+    # Every verified position after an accepted prefix is recorded with its prediction.
+    assert sure.stats.predictions[:7] == [(k, 1.0, True) for k in range(1, 8)]
+
+
+def _vocab8_target():
+    return build_target(qwen3_config(vocab_size=8, eos_token_id=None, pad_token_id=0), seed=0)
+
+
+def test_hybrid_is_lossless_where_lookup_matches_and_where_it_does_not():
+    """An 8-token vocabulary makes lookup matches frequent; the 128-token target rarely repeats. The drafter's
+    confidence ranges from below lookup's prior (lookup is taken) to certainty (the drafter is)."""
+    cost = VerifyCost((1.0, 1.1, 1.2, 1.3, 1.4))
+    choices = {"lookup": 0, "dflash": 0}
+    cases = [
+        (target, prompts, q)
+        for target, prompts in ((_vocab8_target(), ((5, 0), (11, 2))), (build_target(qwen3_config(), seed=1), ((3, 10), (24, 13))))
+        for q in (0.2, 0.6, 1.0)
+    ]
+    for target, prompts, q in cases:
+        drafter = build_drafter(target.config, seed=3, init_std=0.2, mask_token_id=target.config.vocab_size - 1)
+        confidence = LookupConfidence()
+        for length, seed in prompts:
+            ids = torch.randint(1, min(7, target.config.vocab_size - 1), (1, length), generator=torch.Generator().manual_seed(seed))
+            hybrid = GatedProposer([DFlashProposer(target, drafter, _fixed(q)), PromptLookupProposer(PromptLookup(4), confidence)], cost)
+            gen = speculative_generate(target, hybrid, ids, 24)
+            assert gen.tokens.tolist() == greedy(target, ids, 24), (q, length, seed)
+            for source in choices:
+                choices[source] += gen.stats.choices[source]
+    assert choices["lookup"] > 0 and choices["dflash"] > 0, choices
+
+
+def test_hybrid_keeps_the_drafter_cache_current_when_lookup_is_taken():
+    """Whichever proposal is taken, the drafter has seen every committed position exactly once."""
+    target = _vocab8_target()
+    drafter = build_drafter(target.config, seed=3, init_std=0.2, mask_token_id=7)
+    inner = DFlashProposer(target, drafter, _fixed(0.0))  # never taken: lookup wins every step it matches
+    lookup = PromptLookupProposer(PromptLookup(4), LookupConfidence())
+    ids = torch.randint(1, 7, (1, 9), generator=torch.Generator().manual_seed(4))
+    gen = speculative_generate(target, GatedProposer([inner, lookup], VerifyCost((1.0, 1.05, 1.1, 1.15, 1.2))), ids, 20)
+    assert gen.stats.choices["lookup"] > 0 and gen.stats.choices["dflash"] == 0
+    # The cache holds every position up to the last committed one, which the next proposal feeds as its block's first.
+    assert inner.cache.length + (0 if inner.context is None else inner.context.shape[1]) == 9 + len(gen.tokens) - 1
+
+
+def test_gated_proposer_pads_a_short_lookup_to_the_cheapest_width():
+    cost = VerifyCost((1.0, 1.7, 2.3, 1.4))
+    lookup = PromptLookupProposer(PromptLookup(3), LookupConfidence())
+    gated = GatedProposer([lookup], cost)
+    proposal = gated.propose([9, 7, 7], 3)  # the earlier "7" was followed by one 7 only: padded with 7 to width 4
+    assert proposal == Proposal([7, 7, 7], accept=[0.5, 0.0, 0.0], source="lookup", match=1, own=1)
+
+
+def test_a_gated_drafter_needs_a_calibration(qwen3_target, qwen3_drafter):
+    with pytest.raises(ValueError, match="calibration"):
+        speculative_generate(qwen3_target, GatedProposer([DFlashProposer(qwen3_target, qwen3_drafter)], VerifyCost((1.0, 1.1))), random_prompt(4, 0), 4)
+
+
+# -- packed linears ----------------------------------------------------------------------------------------
+
+needs_packed = pytest.mark.skipif(not packed_kernel_available(torch.device("cpu"), torch.float32), reason="oneDNN packed linear is not row-invariant here")
+
+
+@needs_packed
+def test_packed_linear_matches_linear_and_gives_every_row_the_same_bits_at_any_row_count():
+    linear = torch.nn.Linear(64, 48)
+    packed = PackedLinear(linear)
+    x = torch.randn(2, 9, 64)
+    with torch.no_grad():
+        out = packed(x)
+        assert torch.allclose(out, linear(x), atol=1e-5)
+        rows = x.reshape(-1, 64)
+        assert all(torch.equal(packed(rows[i : i + k]), out.reshape(-1, 48)[i : i + k]) for k in (1, 2, 3, 4) for i in range(0, 14))
+    assert packed.weight is linear.weight and "packed" not in packed.state_dict()
+
+
+@needs_packed
+def test_a_packed_target_decodes_losslessly_and_keeps_its_tied_head():
+    target = build_target(qwen3_config(tie_word_embeddings=True), seed=5)
+    drafter = build_drafter(target.config, seed=3, init_std=0.2)
+    ids = random_prompt(11, 11)
+    expected = greedy(target, ids, 21)
+    assert pack_linears(target.model) == 6 * 7 + 1 and pack_linears(drafter) > 0
+    assert isinstance(target.lm_head, PackedLinear) and target.lm_head.weight is target.model.get_input_embeddings().weight
+    for block_size in (1, 4, 8):
+        assert speculative_generate(target, drafter, ids, 21, block_size=block_size).tokens.tolist() == expected
+
+
+def test_pack_linears_leaves_the_model_alone_where_asked_or_unavailable():
+    target = build_target(qwen3_config(), seed=5)
+    assert pack_linears(target.model, "default") == 0
+    half = torch.nn.Linear(8, 8).to(torch.float16)
+    assert pack_linears(half) == 0
+    with pytest.raises(RuntimeError, match="unavailable"):
+        pack_linears(half, "packed")
