@@ -69,7 +69,7 @@ def draft_costs(target, drafter, block_size: int, context: int, repeats: int) ->
     from dflash.model import DraftCache
 
     proposer = DFlashProposer(target, drafter)
-    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    width = drafter.config.feature_width
     cache = DraftCache()
     drafter(
         torch.randn(1, context, width), target.embed(torch.zeros(1, 1, dtype=torch.long)), torch.arange(context)[None], torch.tensor([[context]]), cache=cache

@@ -95,7 +95,7 @@ def worker(spec: dict) -> None:
     from dflash.config import DrafterConfig, TopologyConfig, TrainConfig, parse_section
     from dflash.preflight.synthetic import synthetic_samples
     from dflash.target import Target
-    from dflash.train import train_drafter
+    from dflash.train import RunPaths, RunSettings, train_drafter
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     preset = PRESETS[spec["device"]]
@@ -115,9 +115,8 @@ def worker(spec: dict) -> None:
     if layout.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(layout.device)
     scratch = Path(spec["scratch"])
-    result = train_drafter(
-        target, samples, drafter, train, 0, scratch / "hidden", scratch / "checkpoints", scratch / "drafter", scratch / "metrics.csv", layout=layout
-    )
+    paths = RunPaths(hidden_cache=scratch / "hidden", checkpoints=scratch / "checkpoints", drafter=scratch / "drafter", metrics=scratch / "metrics.csv")
+    result = train_drafter(target, samples, RunSettings(drafter, train), paths, layout=layout)
     peak = torch.cuda.max_memory_allocated(layout.device) / 2**30 if layout.device.type == "cuda" else None
     peaks = distributed.gather_to_main(peak, layout) if layout.is_drafter else None
     if layout.is_main:

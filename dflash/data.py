@@ -27,7 +27,7 @@ from pathlib import Path
 import pandas as pd
 
 from dflash import distributed
-from dflash.config import DataConfig, local_path
+from dflash.config import EMBEDDED, SHAREGPT, DataConfig, local_path
 from dflash.distributed import Layout
 from dflash.errors import InputError, MissingInputError
 from dflash.generation import Request, engine_for, regenerate
@@ -35,8 +35,6 @@ from dflash.target import Target
 
 log = logging.getLogger(__name__)
 
-EMBEDDED = "embedded"
-SHAREGPT = "sharegpt"
 SAMPLE_COLUMNS = ["prompt_id", "input_ids", "loss_mask"]  # and "regenerated": whether the target wrote the response
 
 

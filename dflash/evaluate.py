@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from dflash.config import EvalConfig, TrainConfig
+from dflash.config import HELDOUT, HUMANEVAL, EvalConfig, TrainConfig
 from dflash.data import Conversation, load_conversations, read_heldout
 from dflash.decode import DFlashProposer, GatedProposer, PromptLookup, PromptLookupProposer, speculative_generate
 from dflash.errors import InputError
@@ -70,9 +70,9 @@ def humaneval_conversations(limit: int | None = None) -> list[Conversation]:
 
 def eval_conversations(source: str, split: str, limit: int | None, heldout_path: Path) -> list[Conversation]:
     """``heldout`` (prompts the drafter never trained on), ``humaneval``, or any prompt source ``prepare_data`` accepts."""
-    if source == "heldout":
+    if source == HELDOUT:
         return read_heldout(heldout_path)[:limit]
-    if source == "humaneval":
+    if source == HUMANEVAL:
         return humaneval_conversations(limit)
     return load_conversations(source, split, limit)
 
@@ -203,14 +203,15 @@ def summarize(name: str, rows: pd.DataFrame, block_size: int, device: str, predi
 def calibrate(target: Target, drafter: DFlashDrafter, validation: pd.DataFrame, block_size: int, seed: int = 0):
     """The drafter at ``block_size`` on the validation samples, teacher-forced: the calibration of its confidence and
     the blocks' outcomes (``dflash.step.BlockOutcomes``)."""
-    from dflash.features import Meter, target_features
-    from dflash.step import validation_outcomes
+    from dflash.features import OnlineFeatures
+    from dflash.step import ValidationData, validation_outcomes
 
     config = dataclasses.replace(drafter.config, block_size=block_size)
-    rows = target_features(target, list(validation["input_ids"]), config.target_layer_ids, Meter())
+    rows = OnlineFeatures(target, validation, config.target_layer_ids).rows(list(range(len(validation))))
     head = target.lm_head.weight if drafter.draft_vocab is None else drafter.draft_vocab.head(target.lm_head.weight)
     cfg = TrainConfig(precision="fp32", max_anchors=512)  # every anchor of a sample: validation samples are short
-    outcomes = validation_outcomes(drafter, target, head.to(drafter.fc.weight.dtype), validation, rows, config, cfg, drafter.draft_vocab, seed)
+    data = ValidationData(validation, rows, drafter.draft_vocab, seed)
+    outcomes = validation_outcomes(drafter, target, head.to(drafter.fc.weight.dtype), data, config, cfg)
     return Calibration.fit(outcomes.confidence, outcomes.correct, outcomes.counted), outcomes
 
 
@@ -227,7 +228,8 @@ def predicted_tau(outcomes, calibration: Calibration, cost: VerifyCost | None, d
 
 @torch.no_grad()
 def measure_draft_cost(target: Target, drafter: DFlashDrafter, cost: VerifyCost, block_size: int, context: int = 256, repeats: int = 7) -> float:
-    """One proposal of the drafter after ``context`` tokens, in target steps (c(1) from ``cost``)."""
+    """One proposal of the drafter after ``context`` tokens, as decoding makes it (one new position in its cache, then
+    a block of ``block_size``), in target steps (c(1) from ``cost``)."""
     import statistics
     import time
 
@@ -237,10 +239,13 @@ def measure_draft_cost(target: Target, drafter: DFlashDrafter, cost: VerifyCost,
     out = target.model(input_ids=ids, cache=DynamicCache(config=target.config), use_cache=True, output_hidden_states=True, logits_to_keep=1)
     proposer = DFlashProposer(target, drafter)
     proposer.observe(out.hidden_states, context, 0)
-    tokens = ids[0].tolist()
-    proposer.propose(tokens, block_size - 1)  # the context enters the drafter's cache
+    tokens = ids[0].tolist() + [int(out.logits[0, -1].argmax())]  # as after a prefill: the first new token not yet processed
+    proposer.propose(tokens, block_size - 1)  # the prompt enters the drafter's cache
+    last = tuple(h[:, -1:] for h in out.hidden_states)  # stands in for the features of a verified position
     times = []
     for _ in range(repeats):
+        proposer.observe(last, 1, len(tokens) - 1)
+        tokens.append(tokens[-1])
         begin = time.perf_counter()
         proposer.propose(tokens, block_size - 1)
         times.append(time.perf_counter() - begin)

@@ -130,24 +130,15 @@ class HiddenStateCache:
         return digest.hexdigest()[:16]
 
     @classmethod
-    def build(
-        cls,
-        directory: Path,
-        target: Target,
-        samples: pd.DataFrame,
-        layer_ids: list[int],
-        layout: Layout | None = None,
-        meter: Meter | None = None,
-        top_k: int = 0,
-        token_budget: int = 8192,
-    ) -> HiddenStateCache:
-        """Compute (or reuse) the cache; every rank calls this, and each holding the target's layers computes one shard.
+    def build(cls, directory: Path, features: OnlineFeatures, layout: Layout | None = None, token_budget: int = 8192) -> HiddenStateCache:
+        """Compute (or reuse) the cache of what ``features`` computes over all its samples; every rank calls this, and
+        each holding the target's layers computes one shard.
 
         Shards and ``meta.json`` are written atomically, ``meta.json`` last: a
         crash, even kill -9, leaves no cache that would load.
         """
+        target, samples, layer_ids, top_k = features.target, features.samples, features.layer_ids, features.top_k
         layout = layout or distributed.single_process(target.device)
-        meter = meter or Meter()
         key = cls.cache_key(samples, target, layer_ids, top_k)
         meta_path = directory / "meta.json"
         if distributed.broadcast_from_main(layout.is_main and cls._holds(meta_path, key), layout):
@@ -168,7 +159,7 @@ class HiddenStateCache:
         fields = row_fields(len(layer_ids) * target.hidden_size, top_k)
         if layout.rank in holders[: len(shards)]:
             shard = holders.index(layout.rank)
-            cls._write_shard(directory, shard, shards[shard], lengths, fields, target, samples, layer_ids, meter, top_k, token_budget)
+            cls._write_shard(directory, shard, shards[shard], fields, features, token_budget)
         distributed.barrier(layout)  # every shard is in place
         if layout.is_main:
             location = np.zeros((len(lengths), 3), dtype=np.int64)
@@ -190,7 +181,8 @@ class HiddenStateCache:
         return cls(directory)
 
     @staticmethod
-    def _write_shard(directory, shard, members, lengths, fields, target, samples, layer_ids, meter, top_k, token_budget) -> None:
+    def _write_shard(directory: Path, shard: int, members: list[int], fields: dict, features: OnlineFeatures, token_budget: int) -> None:
+        lengths = [len(ids) for ids in features.samples["input_ids"]]
         ends = np.cumsum([lengths[i] for i in members])
         row_of = {i: int(end) - lengths[i] for i, end in zip(members, ends)}
         tokens = int(ends[-1])
@@ -203,7 +195,7 @@ class HiddenStateCache:
             with bar:
                 for group in length_groups([lengths[i] for i in members], token_budget):
                     indices = [members[g] for g in group]
-                    rows = target_features(target, [samples["input_ids"].iloc[i] for i in indices], layer_ids, meter, top_k)
+                    rows = features.rows(indices, token_budget)
                     for i, row in zip(indices, rows):
                         for field, store in stores.items():
                             store[row_of[i] : row_of[i] + lengths[i]] = getattr(row, field).float().cpu().numpy()
@@ -224,13 +216,17 @@ class CachedFeatures:
 
 
 class OnlineFeatures:
-    """Colocated: this rank's own target computes the features of its share."""
+    """The target on this rank computing the rows of samples: what a colocated rank trains on, what the cache stores,
+    what a split target rank sends."""
 
-    def __init__(self, target: Target, samples: pd.DataFrame, layer_ids: list[int], meter: Meter, top_k: int = 0):
-        self.target, self.samples, self.layer_ids, self.meter, self.top_k = target, samples, layer_ids, meter, top_k
+    def __init__(self, target: Target, samples: pd.DataFrame, layer_ids: list[int], meter: Meter | None = None, top_k: int = 0):
+        self.target, self.samples, self.layer_ids, self.meter, self.top_k = target, samples, layer_ids, meter or Meter(), top_k
+
+    def rows(self, indices: list[int], token_budget: int = 8192) -> list[TargetRow]:
+        return target_features(self.target, [self.samples["input_ids"].iloc[i] for i in indices], self.layer_ids, self.meter, self.top_k, token_budget)
 
     def __call__(self, step: int, indices: list[int]) -> list[TargetRow]:
-        return target_features(self.target, [self.samples["input_ids"].iloc[i] for i in indices], self.layer_ids, self.meter, self.top_k)
+        return self.rows(indices)
 
 
 class ReceivedFeatures:
@@ -278,20 +274,17 @@ def _messages(width: int, dtype: torch.dtype, top_k: int) -> dict[str, tuple[tor
     return fields
 
 
-def serve_features(
-    layout: Layout, target: Target, samples: pd.DataFrame, layer_ids: list[int], schedule: Schedule, first: int, meter: Meter, top_k: int = 0, depth: int = 2
-) -> None:
+def serve_features(layout: Layout, features: OnlineFeatures, schedule: Schedule, first: int, depth: int = 2) -> None:
     """Split, target side: compute this rank's positions of every global batch and send each to the
     drafter rank that trains on it. Up to ``depth`` steps are in flight, so the target runs ahead of training."""
     senders = layout.target_ranks
     me = senders.index(layout.rank)
-    fields = _messages(len(layer_ids) * target.hidden_size, target.dtype, top_k)
+    fields = _messages(len(features.layer_ids) * features.target.hidden_size, features.target.dtype, features.top_k)
     in_flight: deque[list] = deque()
     for step in tqdm(range(first, schedule.total), desc=f"serving hidden states (rank {layout.rank})", unit="step", disable=me != 0):
         batch = schedule.batch(step)
         mine = list(range(me, len(batch), len(senders)))
-        rows = [samples["input_ids"].iloc[batch[j]] for j in mine]
-        computed = dict(zip(mine, target_features(target, rows, layer_ids, meter, top_k))) if mine else {}
+        computed = dict(zip(mine, features.rows([batch[j] for j in mine]))) if mine else {}
         sends = []
         for (t, d), positions in routes(len(batch), len(senders), layout.drafter_world).items():
             if t == me:

@@ -74,6 +74,11 @@ class DFlashConfig:
     eos_token_id: int | list[int] | None = None
     dtype: str = "bfloat16"
 
+    @property
+    def feature_width(self) -> int:
+        """The width of the context features it reads: its target layers' hidden states, concatenated."""
+        return len(self.target_layer_ids) * self.hidden_size
+
     def __post_init__(self):
         problems = []
         if self.num_attention_heads % self.num_key_value_heads:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import pandas as pd
 import torch
 import torch.fx.experimental._config as fx_config
 
@@ -22,6 +23,7 @@ from dflash.model import DFlashConfig, DFlashDrafter
 from dflash.objective import FrozenHeadCrossEntropy, position_accuracy
 from dflash.policy import acceptance_lengths
 from dflash.target import Target, native_bf16
+from dflash.vocab import DraftVocab
 
 
 def drafter_config_for(target: Target, cfg: DrafterConfig) -> DFlashConfig:
@@ -175,39 +177,47 @@ def block_outcomes(drafter, target: Target, head: torch.Tensor, batch: Batch, cf
     return BlockOutcomes(correct=((predicted == labels) & counted).cpu(), counted=counted.cpu(), confidence=top.cpu())
 
 
-def validation_outcomes(drafter, target: Target, head: torch.Tensor, samples, rows, config: DFlashConfig, cfg: TrainConfig, vocab, seed: int) -> BlockOutcomes:
-    """``block_outcomes`` over validation ``samples`` (``rows``: the target's, by index), every position weighted and anchors
-    fixed by ``seed``: this process's share of them is ``samples``."""
+@dataclass(frozen=True)
+class ValidationData:
+    """Validation samples with the target's rows of them (by index), the draft vocabulary their labels index, and the
+    seed that fixes their anchors."""
+
+    samples: pd.DataFrame
+    rows: object  # a HiddenStateCache or a list of TargetRow
+    vocab: DraftVocab | None = None
+    seed: int = 0
+
+    def batch(self, indices: list[int], config: DFlashConfig, cfg: TrainConfig) -> Batch:
+        return make_batch(self.samples, indices, [self.rows[i] for i in indices], config, cfg, self.seed, 0, self.vocab)
+
+
+def validation_outcomes(drafter, target: Target, head: torch.Tensor, data: ValidationData, config: DFlashConfig, cfg: TrainConfig) -> BlockOutcomes:
+    """``block_outcomes`` over all of ``data`` in this process, every position weighted."""
     cfg = dataclasses.replace(cfg, sample_loss_positions=False)
-    parts = []
-    for begin in range(0, len(samples), cfg.batch_size):
-        share = list(range(begin, min(len(samples), begin + cfg.batch_size)))
-        batch = make_batch(samples, share, [rows[i] for i in share], config, cfg, seed, 0, vocab)
-        parts.append(block_outcomes(drafter, target, head, batch, cfg))
-    return BlockOutcomes.cat(parts)
+    count = len(data.samples)
+    batches = (data.batch(list(range(begin, min(count, begin + cfg.batch_size))), config, cfg) for begin in range(0, count, cfg.batch_size))
+    return BlockOutcomes.cat([block_outcomes(drafter, target, head, batch, cfg) for batch in batches])
 
 
 @torch.no_grad()
 def validation_metrics(
-    drafter, target: Target, head: torch.Tensor, samples, rows, config: DFlashConfig, cfg: TrainConfig, vocab, layout: Layout, seed: int
+    drafter, target: Target, head: torch.Tensor, data: ValidationData, config: DFlashConfig, cfg: TrainConfig, layout: Layout
 ) -> tuple[list[float], float]:
-    """Per-position accuracy (positions 0..B-1; 0 is never drafted) and teacher-forced τ of ``drafter`` on validation
-    ``samples`` (``rows``: the target's, by index), every position weighted and anchors fixed by ``seed``, summed over
-    the drafter ranks."""
+    """Per-position accuracy (positions 0..B-1; 0 is never drafted) and teacher-forced τ of ``drafter`` on ``data``,
+    every position weighted, summed over the drafter ranks."""
     cfg = dataclasses.replace(cfg, sample_loss_positions=False)
-    width = len(config.target_layer_ids) * config.hidden_size
-    span = cfg.batch_size * layout.drafter_world
-    sums = torch.zeros(2 * config.block_size + 2, dtype=torch.float64)  # correct, counted per position; τ sum, blocks
+    count, span, block = len(data.samples), cfg.batch_size * layout.drafter_world, config.block_size
+    sums = torch.zeros(2 * block + 2, dtype=torch.float64)  # correct, counted per position; τ sum, blocks
     # The same batches on every rank, so that each takes part in every forward (FSDP gathers parameters in each).
-    for begin in range(0, len(samples), span):
-        share = rank_slice(list(range(begin, min(len(samples), begin + span))), layout.rank, layout.drafter_world)
-        batch = make_batch(samples, share, [rows[i] for i in share], config, cfg, seed, 0, vocab) if share else idle_batch(samples, 0, width, config, cfg)
+    for begin in range(0, count, span):
+        share = rank_slice(list(range(begin, min(count, begin + span))), layout.rank, layout.drafter_world)
+        batch = data.batch(share, config, cfg) if share else idle_batch(data.samples, 0, config.feature_width, config, cfg)
         outcome = block_outcomes(drafter, target, head, batch, cfg)
         if share:
             tau_sum, blocks = outcome.tau_sums()
-            sums[1 : config.block_size] += (outcome.correct & outcome.counted).sum(0).double()
-            sums[config.block_size + 1 : 2 * config.block_size] += outcome.counted.sum(0).double()
+            sums[1:block] += (outcome.correct & outcome.counted).sum(0).double()
+            sums[block + 1 : 2 * block] += outcome.counted.sum(0).double()
             sums[-2:] += torch.tensor([tau_sum, blocks], dtype=torch.float64)
     totals = all_reduce_sum(sums.to(layout.device), layout).cpu()
-    accuracy = (totals[: config.block_size] / totals[config.block_size : 2 * config.block_size].clamp(min=1)).tolist()
+    accuracy = (totals[:block] / totals[block : 2 * block].clamp(min=1)).tolist()
     return accuracy, float(totals[-2] / totals[-1].clamp(min=1))

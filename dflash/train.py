@@ -17,7 +17,7 @@ import logging
 import math
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -32,7 +32,7 @@ from dflash.config import DrafterConfig, TrainConfig
 from dflash.distributed import Layout, all_reduce_sum
 from dflash.features import CachedFeatures, HiddenStateCache, Meter, OnlineFeatures, ReceivedFeatures, serve_features, total_rate
 from dflash.model import DFlashConfig
-from dflash.step import compile_drafter, drafter_config_for, normalise_globally, train_step, training_drafter, validation_metrics
+from dflash.step import ValidationData, compile_drafter, drafter_config_for, normalise_globally, train_step, training_drafter, validation_metrics
 from dflash.target import Target, preparation_dtype
 from dflash.vocab import DraftVocab
 
@@ -59,8 +59,28 @@ class TrainResult:
 
 
 @dataclass(frozen=True)
+class RunPaths:
+    """Where a run writes: the hidden-state caches, its checkpoints (one run's), the drafter, the metrics CSV."""
+
+    hidden_cache: Path
+    checkpoints: Path
+    drafter: Path
+    metrics: Path
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What a run trains: the drafter's shape, the training settings, the seed, and (for benchmarks) a step limit."""
+
+    drafter: DrafterConfig
+    train: TrainConfig
+    seed: int = 0
+    max_steps: int | None = None
+
+
+@dataclass(frozen=True)
 class RunContext:
-    """What a drafter rank's loop reads: the run's inputs, its settings, where it writes, its place in the topology."""
+    """What a drafter rank's loop reads: the run's inputs and settings, where it writes, its place in the topology."""
 
     target: Target
     samples: pd.DataFrame
@@ -68,18 +88,8 @@ class RunContext:
     cfg: TrainConfig
     schedule: Schedule
     layout: Layout
-    checkpoint_dir: Path
-    out_dir: Path
-    metrics_path: Path
-    tracker: object | None = None
+    paths: RunPaths
     vocab: DraftVocab | None = None
-    vocab_coverage: float = 1.0  # the share of the training responses' tokens the vocabulary holds
-    validation: pd.DataFrame | None = None
-    checks: HiddenStateCache | None = None  # the target's rows of the validation samples
-
-    @property
-    def feature_width(self) -> int:
-        return len(self.config.target_layer_ids) * self.config.hidden_size
 
     def head(self) -> torch.Tensor:
         """The frozen LM head rows the drafter projects onto."""
@@ -126,158 +136,239 @@ def write_metrics_row(path: Path, row: dict) -> None:
         writer.writerow(row)
 
 
+# -- the parts of a drafter rank's loop --------------------------------------------------------
+
+
+class Validator:
+    """Per-position accuracy and teacher-forced τ of the drafter on the validation samples, on the metric rows due."""
+
+    def __init__(self, run: RunContext, data: ValidationData):
+        self.run, self.data = run, data
+
+    def due(self, previous: int, done: int) -> bool:
+        return validation_due(previous, done, self.run.cfg.validate_every, self.run.schedule.total)
+
+    def __call__(self, drafter) -> tuple[list[float], float]:
+        run = self.run
+        return validation_metrics(drafter, run.target, run.head(), self.data, run.config, run.cfg, run.layout)
+
+
+class MetricsLog:
+    """The run's metric rows: the accuracy counts of the logging window, each row's validation, the CSV and the
+    tracker (rank 0). A resumed run starts from the rows and window of its checkpoint."""
+
+    def __init__(self, run: RunContext, progress: Progress, validator: Validator | None = None, tracker=None):
+        self.run, self.progress, self.validator, self.tracker = run, progress, validator, tracker
+        if run.layout.is_main:
+            run.paths.metrics.parent.mkdir(parents=True, exist_ok=True)
+            run.paths.metrics.unlink(missing_ok=True)
+            for row in progress.rows:
+                write_metrics_row(run.paths.metrics, row)
+
+    def count(self, loss: torch.Tensor, correct: torch.Tensor, counted: torch.Tensor) -> float:
+        """One step's loss and accuracy counts, summed over the drafter ranks (one all-reduce); the global loss."""
+        layout, block = self.run.layout, self.run.config.block_size
+        # Each rank's loss is its share of the global loss, times the ranks.
+        stats = all_reduce_sum(torch.cat([loss.detach().reshape(1).double(), correct.double(), counted.double()]), layout).cpu()
+        self.progress.correct += stats[1 : 1 + block]
+        self.progress.counted += stats[1 + block :]
+        return float(stats[0]) / layout.drafter_world
+
+    def log(self, done: int, drafter, values: dict) -> None:
+        """The row of step ``done``: ``values``, the window's accuracy per position, and validation where due."""
+        progress, block = self.progress, self.run.config.block_size
+        accuracy = (progress.correct / progress.counted.clamp(min=1)).tolist()
+        row = {"step": done} | values | {f"acc_{k}": accuracy[k] for k in range(1, block)}
+        previous = progress.rows[-1]["step"] if progress.rows else 0
+        validated, tau = [float("nan")] * block, float("nan")
+        if self.validator is not None and self.validator.due(previous, done):
+            validated, tau = self.validator(drafter)
+        row |= {f"val_acc_{k}": validated[k] for k in range(1, block)} | {"val_tau": tau}
+        progress.rows.append(row)
+        progress.correct.zero_()
+        progress.counted.zero_()
+        if self.run.layout.is_main:
+            write_metrics_row(self.run.paths.metrics, row)
+            if self.tracker is not None:
+                self.tracker.log(row, step=done)
+
+    def final_validation(self) -> tuple[list[float] | None, float | None]:
+        if self.validator is None or not self.progress.rows:
+            return None, None
+        last = self.progress.rows[-1]
+        return [last[f"val_acc_{k}"] for k in range(1, self.run.config.block_size)], last["val_tau"]
+
+
+@dataclass
+class Throughput:
+    """Sample tokens per second of the global batches, measured from the end of the first step (which compiles)."""
+
+    start: float = field(default_factory=time.perf_counter)
+    tokens: int = 0
+    first_step_seconds: float = 0.0
+    steady: tuple[float, int] | None = None  # (time, tokens) at the end of the first step
+
+    def step(self, tokens: int) -> float:
+        """Count a step's tokens; the running rate."""
+        self.tokens += tokens
+        elapsed = time.perf_counter() - self.start
+        if self.steady is None:
+            self.first_step_seconds, self.steady = elapsed, (time.perf_counter(), self.tokens)
+        return self.tokens / elapsed
+
+    def steady_rate(self, end: float) -> float:
+        tokens = self.tokens - self.steady[1] if self.steady else 0
+        return tokens / (end - self.steady[0]) if tokens else self.tokens / max(end - self.start, 1e-9)
+
+
+class Batches:
+    """Step ``step``'s batch on this rank: its share of the global batch, its features from the source, labelled and
+    normalised over the whole global batch (a stand-in row of zero weight when the share is empty)."""
+
+    def __init__(self, run: RunContext, source):
+        self.run, self.source = run, source
+        self.lengths = [len(ids) for ids in run.samples["input_ids"]]
+
+    def __call__(self, step: int):
+        run = self.run
+        global_batch = run.schedule.batch(step)
+        share = rank_slice(global_batch, run.layout.rank, run.layout.drafter_world)
+        rows = self.source(step, share)
+        if share:
+            batch = make_batch(run.samples, share, rows, run.config, run.cfg, run.schedule.seed, run.schedule.epoch(step), run.vocab)
+        else:
+            batch = idle_batch(run.samples, global_batch[0], run.config.feature_width, run.config, run.cfg)
+        normalise_globally(batch, run.layout)
+        return batch, sum(self.lengths[i] for i in global_batch)
+
+
+def feature_source(run: RunContext, first: int, meter: Meter):
+    """Where this rank's hidden states come from, by the layout: the disk cache (built here, every rank a shard), the
+    target on this rank (colocated), or the target ranks (split, drafter side). ``None`` on a split target rank,
+    which serves its drafter ranks here and trains nothing."""
+    online = OnlineFeatures(run.target, run.samples, run.config.target_layer_ids, meter, run.cfg.distill_top_k)
+    if run.cfg.hidden_states == "cache":
+        cache = HiddenStateCache.build(run.paths.hidden_cache, online, run.layout)
+        return CachedFeatures(cache) if run.layout.is_drafter else None
+    if run.layout.kind == "colocated":
+        return online
+    if run.layout.is_drafter:
+        lengths = [len(ids) for ids in run.samples["input_ids"]]
+        return ReceivedFeatures(run.layout, run.schedule, lengths, run.config.feature_width, run.target.dtype, run.cfg.distill_top_k)
+    serve_features(run.layout, online, run.schedule, first)
+    return None
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def draft_vocabulary(samples: pd.DataFrame, size: int | None, target: Target) -> tuple[DraftVocab | None, float]:
+    """The ``size`` tokens the training responses use most (None: the whole vocabulary), and the share of the responses'
+    tokens they hold. The responses' tokens are gathered only for this, and dropped here: at scale they are gigabytes."""
+    if not size:
+        return None, 1.0
+    responses = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(samples["input_ids"], samples["loss_mask"])]
+    vocab = DraftVocab.most_frequent(responses, size, target.config.vocab_size, target.eos_token_ids)
+    return vocab, vocab.coverage([t for response in responses for t in response])
+
+
 def train_drafter(
     target: Target,
     samples: pd.DataFrame,
-    drafter_cfg: DrafterConfig,
-    cfg: TrainConfig,
-    seed: int,
-    hidden_cache_dir: Path,
-    checkpoint_dir: Path,
-    out_dir: Path,
-    metrics_path: Path,
-    tracker=None,
-    max_steps: int | None = None,
+    settings: RunSettings,
+    paths: RunPaths,
     layout: Layout | None = None,
     validation: pd.DataFrame | None = None,
+    tracker=None,
 ) -> TrainResult:
     """Train on this rank's part of the topology (one process: the whole run); resumes from the last complete checkpoint.
 
     Every rank of the run calls this. Rank 0 writes the metrics, the checkpoints and the drafter.
-    ``validation`` samples are never trained on: the per-position accuracy on them is logged.
+    ``validation`` samples are never trained on: per-position accuracy and τ on them are logged.
     """
     layout = layout or distributed.single_process(target.device)
-    config = drafter_config_for(target, drafter_cfg)
-    schedule = Schedule.for_run(len(samples), cfg, seed, max_steps)
-    responses = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(samples["input_ids"], samples["loss_mask"])]
-    vocab = (
-        DraftVocab.most_frequent(responses, drafter_cfg.draft_vocab_size, target.config.vocab_size, target.eos_token_ids)
-        if drafter_cfg.draft_vocab_size
-        else None
+    cfg, config = settings.train, drafter_config_for(target, settings.drafter)
+    # Target ranks draft nothing: only drafter ranks gather the responses' tokens.
+    vocab, coverage = draft_vocabulary(samples, settings.drafter.draft_vocab_size, target) if layout.is_drafter else (None, 1.0)
+    run = RunContext(
+        target=target,
+        samples=samples,
+        config=config,
+        cfg=cfg,
+        schedule=Schedule.for_run(len(samples), cfg, settings.seed, settings.max_steps),
+        layout=layout,
+        paths=paths,
+        vocab=vocab,
     )
-    coverage = vocab.coverage([t for response in responses for t in response]) if vocab is not None else 1.0
-    first, checkpoint = resume_point(checkpoint_dir, layout)
-    meter, start = Meter(), time.perf_counter()
-    checks = None
+    validator = None
     if validation is not None and len(validation):
-        checks = HiddenStateCache.build(hidden_cache_dir.with_name(f"{hidden_cache_dir.name}-validation"), target, validation, config.target_layer_ids, layout)
-    run = RunContext(target, samples, config, cfg, schedule, layout, checkpoint_dir, out_dir, metrics_path, tracker, vocab, coverage, validation, checks)
-    idle = TrainResult(schedule.total, first, float("nan"), 0.0, 0.0, 0.0, 0.0, layout.world, torch.get_num_threads(), {})  # a target rank's
-    # The target's throughput is summed over the ranks where its work ends: once the cache is built (every rank
-    # builds a shard; split target ranks then leave), or after an online run.
-    if cfg.hidden_states == "cache":
-        source = CachedFeatures(HiddenStateCache.build(hidden_cache_dir, target, samples, config.target_layer_ids, layout, meter, cfg.distill_top_k))
-        target_rate = total_rate(meter, layout)
-        result = _train(run, source, first, checkpoint) if layout.is_drafter else idle
+        cache = paths.hidden_cache.with_name(f"{paths.hidden_cache.name}-validation")
+        rows = HiddenStateCache.build(cache, OnlineFeatures(target, validation, config.target_layer_ids), layout)
+        validator = Validator(run, ValidationData(validation, rows, vocab, settings.seed))
+    first, checkpoint = resume_point(paths.checkpoints, layout)
+    meter, start = Meter(), time.perf_counter()
+    source = feature_source(run, first, meter)
+    # The target's throughput is summed over the ranks where its work ends: once the cache is built, or after serving.
+    target_rate = total_rate(meter, layout) if cfg.hidden_states == "cache" else None
+    if source is None:  # a target rank: its part is done
+        result = TrainResult(
+            steps=run.schedule.total, resumed_from=first, final_loss=float("nan"), seconds=time.perf_counter() - start, tokens_per_second=0.0,
+            first_step_seconds=0.0, target_tokens_per_second=0.0, world=layout.world, threads=torch.get_num_threads(), compile_cache={},
+        )  # fmt: skip
     else:
-        if layout.kind == "colocated":
-            result = _train(run, OnlineFeatures(target, samples, config.target_layer_ids, meter, cfg.distill_top_k), first, checkpoint)
-        elif layout.is_drafter:
-            lengths = [len(ids) for ids in samples["input_ids"]]
-            result = _train(run, ReceivedFeatures(layout, schedule, lengths, run.feature_width, target.dtype, cfg.distill_top_k), first, checkpoint)
-        else:
-            serve_features(layout, target, samples, config.target_layer_ids, schedule, first, meter, cfg.distill_top_k)
-            result = dataclasses.replace(idle, seconds=time.perf_counter() - start)
-        target_rate = total_rate(meter, layout)
-    return dataclasses.replace(result, target_tokens_per_second=target_rate)
+        result = _train(run, Batches(run, source), first, checkpoint, validator, tracker)
+    rate = target_rate if target_rate is not None else total_rate(meter, layout)
+    return dataclasses.replace(result, target_tokens_per_second=rate, draft_vocab_coverage=coverage)
 
 
-def _train(run: RunContext, source, first: int, checkpoint: Path | None) -> TrainResult:
+def _train(run: RunContext, batches: Batches, first: int, checkpoint: Path | None, validator: Validator | None, tracker) -> TrainResult:
     """A drafter rank's loop."""
-    layout, cfg, config, schedule = run.layout, run.cfg, run.config, run.schedule
+    layout, cfg, schedule = run.layout, run.cfg, run.schedule
     torch.manual_seed(schedule.seed)
-    drafter = training_drafter(config, cfg, layout.device)
+    drafter = training_drafter(run.config, cfg, layout.device)
     distributed.shard(drafter, layout)
     forward = distributed.replicate(compile_drafter(drafter, cfg.compile), layout)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, schedule.total, cfg.warmup_ratio))
-    lengths = [len(ids) for ids in run.samples["input_ids"]]
-    head = run.head()
-    progress = Progress.fresh(config.block_size)
+    progress = Progress.fresh(run.config.block_size)
     if checkpoint is not None:
         progress = load_checkpoint(checkpoint, drafter, optimizer, scheduler, layout)
         log.info("resuming from %s (step %d of %d)", checkpoint, first, schedule.total)
-    if layout.is_main:
-        # The rows of the run so far (a resumed run's are the checkpoint's; a fresh run's, none).
-        run.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        run.metrics_path.unlink(missing_ok=True)
-        for row in progress.rows:
-            write_metrics_row(run.metrics_path, row)
-    start, tokens_seen, loss_value = time.perf_counter(), 0, float("nan")
-    first_step_seconds, steady = 0.0, (start, 0)  # throughput is measured from the end of the first step
+    metrics, throughput, head, loss = MetricsLog(run, progress, validator, tracker), Throughput(), run.head(), float("nan")
     with tqdm(total=schedule.total, initial=first, desc="training drafter", unit="step", disable=not layout.is_main) as bar:
         for step in range(first, schedule.total):
-            epoch, global_batch = schedule.epoch(step), schedule.batch(step)
-            share = rank_slice(global_batch, layout.rank, layout.drafter_world)
-            rows = source(step, share)
-            if share:
-                batch = make_batch(run.samples, share, rows, config, cfg, schedule.seed, epoch, run.vocab)
-            else:
-                batch = idle_batch(run.samples, global_batch[0], run.feature_width, config, cfg)
-            normalise_globally(batch, layout)
-            loss, correct, counted, grad_norm = train_step(forward, drafter, optimizer, run.target, batch, cfg, head)
+            batch, tokens = batches(step)
+            step_loss, correct, counted, grad_norm = train_step(forward, drafter, optimizer, run.target, batch, cfg, head)
             scheduler.step()
-            # One all-reduce for the metrics: each rank's loss is its share of the global loss, times the ranks.
-            stats = all_reduce_sum(torch.cat([loss.detach().reshape(1).double(), correct.double(), counted.double()]), layout).cpu()
-            loss_value = float(stats[0]) / layout.drafter_world
-            progress.correct += stats[1 : 1 + config.block_size]
-            progress.counted += stats[1 + config.block_size :]
-            tokens_seen += sum(lengths[i] for i in global_batch)
-            elapsed = time.perf_counter() - start
+            loss = metrics.count(step_loss, correct, counted)
+            rate = throughput.step(tokens)
             bar.update(1)
-            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_seen / elapsed:.0f}")
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
             done = step + 1
-            if step == first:
-                first_step_seconds, steady = elapsed, (time.perf_counter(), tokens_seen)
-                if cfg.compile:
-                    log_compile_cache_hits(log)
+            if step == first and cfg.compile:
+                log_compile_cache_hits(log)
             if done % cfg.log_every == 0 or done == schedule.total:
-                acc = (progress.correct / progress.counted.clamp(min=1)).tolist()
-                row = {
-                    "step": done,
-                    "epoch": epoch,
-                    "loss": loss_value,
-                    "grad_norm": grad_norm,
-                    "lr": scheduler.get_last_lr()[0],
-                    "tokens_per_s": tokens_seen / elapsed,
-                }
-                row.update({f"acc_{k}": acc[k] for k in range(1, config.block_size)})
-                previous = progress.rows[-1]["step"] if progress.rows else 0
-                checked = run.checks is not None and validation_due(previous, done, cfg.validate_every, schedule.total)
-                validated, val_tau = (
-                    validation_metrics(drafter, run.target, head, run.validation, run.checks, config, cfg, run.vocab, layout, schedule.seed)
-                    if checked
-                    else ([float("nan")] * config.block_size, float("nan"))
-                )
-                row.update({f"val_acc_{k}": validated[k] for k in range(1, config.block_size)})
-                row["val_tau"] = val_tau
-                progress.rows.append(row)
-                progress.correct.zero_()
-                progress.counted.zero_()
-                if layout.is_main:
-                    write_metrics_row(run.metrics_path, row)
-                    if run.tracker is not None:
-                        run.tracker.log(row, step=done)
+                values = {"epoch": schedule.epoch(step), "loss": loss, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate}
+                metrics.log(done, drafter, values)
             if done % cfg.checkpoint_every == 0 and done < schedule.total:
-                save_checkpoint(run.checkpoint_dir, done, drafter, optimizer, scheduler, progress, layout)
+                save_checkpoint(run.paths.checkpoints, done, drafter, optimizer, scheduler, progress, layout)
     end = time.perf_counter()
-    save_drafter(drafter, config, run.out_dir, layout, run.vocab)
-    steady_tokens = tokens_seen - steady[1]
+    save_drafter(drafter, run.config, run.paths.drafter, layout, run.vocab)
+    accuracy, tau = metrics.final_validation()
     return TrainResult(
         steps=schedule.total,
         resumed_from=first,
-        final_loss=loss_value,
-        seconds=end - start,
-        tokens_per_second=steady_tokens / (end - steady[0]) if steady_tokens else tokens_seen / max(end - start, 1e-9),
-        first_step_seconds=first_step_seconds,
+        final_loss=loss,
+        seconds=end - throughput.start,
+        tokens_per_second=throughput.steady_rate(end),
+        first_step_seconds=throughput.first_step_seconds,
         target_tokens_per_second=0.0,
         world=layout.world,
         threads=torch.get_num_threads(),
         compile_cache=compile_cache_hits() if cfg.compile else {},
         draft_vocab=len(run.vocab) if run.vocab is not None else None,
-        draft_vocab_coverage=run.vocab_coverage,
-        validation_accuracy=[progress.rows[-1][f"val_acc_{k}"] for k in range(1, config.block_size)] if run.checks is not None else None,
-        validation_tau=progress.rows[-1].get("val_tau") if run.checks is not None else None,
+        validation_accuracy=accuracy,
+        validation_tau=tau,
         peak_memory_gb=round(torch.cuda.max_memory_allocated(layout.device) / 1e9, 2) if layout.device.type == "cuda" else None,
     )
 
@@ -315,20 +406,14 @@ def run_train_stage(sections: dict, args) -> TrainResult:
     out_dir.mkdir(parents=True, exist_ok=True)
     tracking = sections["tracking"]
     tracker = open_tracker(tracking.wandb_mode, tracking.project, fingerprint, out_dir.parent / "wandb", run_config, rank=layout.rank)
-    result = train_drafter(
-        target,
-        samples,
-        sections["drafter"],
-        sections["train"],
-        args.seed,
-        hidden_cache_dir=args.checkpoint_dir / "hidden-states",
-        checkpoint_dir=args.checkpoint_dir / fingerprint,
-        out_dir=out_dir / "drafter",
-        metrics_path=out_dir / "metrics.csv",
-        tracker=tracker,
-        layout=layout,
-        validation=validation,
+    paths = RunPaths(
+        hidden_cache=args.checkpoint_dir / "hidden-states",
+        checkpoints=args.checkpoint_dir / fingerprint,
+        drafter=out_dir / "drafter",
+        metrics=out_dir / "metrics.csv",
     )
+    settings = RunSettings(drafter=sections["drafter"], train=sections["train"], seed=args.seed)
+    result = train_drafter(target, samples, settings, paths, layout=layout, validation=validation, tracker=tracker)
     if layout.is_main:
         where = f"{topology.kind} {topology.nnodes}x{topology.nproc_per_node} {topology.device}"
         summary = dataclasses.asdict(result) | {"fingerprint": fingerprint, "samples": len(samples), "topology": where}

@@ -61,18 +61,13 @@ def run(spec: dict) -> None:
 
     dflash.train.train_step = recording_step
     try:
-        result = dflash.train.train_drafter(
-            target,
-            samples,
-            parse_section(DrafterConfig, spec["drafter"], "drafter"),
-            parse_section(TrainConfig, spec["train"], "train"),
-            seed=0,
-            hidden_cache_dir=out / "cache" / "hidden-states",
-            checkpoint_dir=out / "cache" / "checkpoints",
-            out_dir=out / "drafter",
-            metrics_path=out / "metrics.csv",
-            layout=layout,
+        settings = dflash.train.RunSettings(
+            parse_section(DrafterConfig, spec["drafter"], "drafter"), parse_section(TrainConfig, spec["train"], "train"), seed=0
         )
+        paths = dflash.train.RunPaths(
+            hidden_cache=out / "cache" / "hidden-states", checkpoints=out / "cache" / "checkpoints", drafter=out / "drafter", metrics=out / "metrics.csv"
+        )
+        result = dflash.train.train_drafter(target, samples, settings, paths, layout=layout)
     finally:
         dflash.train.train_step = original  # run in-process by a test, the module must be left as it was
     if layout.is_drafter:

@@ -27,9 +27,9 @@ import torch
 from conftest import EOS, MASK, build_drafter, build_target, qwen3_config, random_prompt
 from safetensors.torch import load_file, save_file
 
+from dflash.acquire import cache_root
 from dflash.decode import speculative_generate
 from dflash.model import DFlashDrafter, target_layer_ids
-from dflash.target import cache_root
 
 AUTHORS_REQUIREMENT = "dflash==0.1.0"
 AUTHORS_WHEEL = "dflash-0.1.0-py3-none-any.whl"

@@ -213,3 +213,24 @@ def test_pack_linears_leaves_the_model_alone_where_asked_or_unavailable():
     assert pack_linears(half) == 0
     with pytest.raises(RuntimeError, match="unavailable"):
         pack_linears(half, "packed")
+
+
+def test_the_evaluation_measures_costs_and_calibrates_on_validation_samples(qwen3_target):
+    """The evaluation's own measurements on a tiny target: c(1) = 1 by definition, a positive drafting cost, and a
+    calibration fitted on validation samples (the oracle-free drafter: some positions counted, rates in [0, 1])."""
+    import pandas as pd
+
+    from dflash.evaluate import calibrate, measure_draft_cost, predicted_tau
+    from dflash.policy import measure_verify_cost
+
+    drafter = build_drafter(qwen3_target.config, seed=3, init_std=0.2, block_size=4)
+    cost = measure_verify_cost(qwen3_target, 4, context=32, repeats=2)
+    assert cost.relative[0] == 1.0 and len(cost.relative) == 4 and cost.step_ms > 0
+    assert measure_draft_cost(qwen3_target, drafter, cost, 4, context=32, repeats=2) > 0
+    ids = [random_prompt(40, seed)[0].tolist() for seed in range(3)]
+    validation = pd.DataFrame({"prompt_id": ["a", "b", "c"], "input_ids": ids, "loss_mask": [[0] * 8 + [1] * 32] * 3})
+    calibration, outcomes = calibrate(qwen3_target, drafter, validation, block_size=4)
+    assert calibration.positions == 3 and sum(calibration.counts[0]) == int(outcomes.counted[:, 0].sum()) > 0
+    assert all(0.0 <= r <= 1.0 for rates in calibration.rates for r in rates)
+    predicted = predicted_tau(outcomes, calibration, cost, 0.0)
+    assert 1.0 <= predicted["tau_gated"] <= predicted["tau"] <= 4.0

@@ -24,10 +24,10 @@ import torch
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
+from dflash.acquire import cache_root
 from dflash.config import PreflightConfig, TopologyConfig
 from dflash.errors import PreflightError
 from dflash.preflight.verdict import Verdict
-from dflash.target import cache_root
 
 PROJECT = "dflash-workflow"
 CHECKED_PACKAGES = ("torch", "transformers", "datasets", "snakemake")

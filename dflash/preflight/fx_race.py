@@ -5,9 +5,8 @@ call of a ``torch.compile``'d function checks it and raises when it is set,
 so while one thread traces (inductor runs ``make_fx`` when it lazily compiles
 a backward), any other thread calling compiled code fails with
 "Detected that you are using FX to symbolically trace a dynamo-optimized
-function". See ``/work/shared/notes/fx-race.md``; the preflight stage
-``repro_fx_race`` reproduces it and verifies the mitigation on the installed
-torch.
+function". The preflight stage ``repro_fx_race`` reproduces it and verifies
+the mitigation on the installed torch.
 
 The mitigation tells Dynamo to run compiled code whatever the flag says.
 Dynamo's config is per thread, so it must be set inside every thread that

@@ -14,7 +14,8 @@ Three experiments on one device (see ``dflash.preflight.fx_race`` for the mechan
 
 Each trial also records whether the flag was left stuck and whether any
 compiled call silently ran eagerly. The verdict says for which executions
-training is safe (``safe_for``); ``execution_is_safe`` is what ``train`` asks.
+training is safe (``safe_for``). Training runs one process per device, where the race cannot
+happen: ``train`` logs the verdict as a diagnostic.
 """
 
 from __future__ import annotations
@@ -360,7 +361,7 @@ def repro_fx_race(topology: TopologyConfig, race: RaceConfig) -> RaceVerdict:
 
 def judge(verdict: RaceVerdict) -> None:
     """The stage fails only when the reproduction itself is broken; a mitigation that does not hold
-    only narrows ``safe_for`` to one process per device, which training checks against how it runs."""
+    only narrows ``safe_for`` to one process per device."""
     for label, trials in (("natural", verdict.natural), ("mitigated", verdict.mitigated)):
         if trials.other_errors:
             verdict.fail(

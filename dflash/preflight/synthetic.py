@@ -56,6 +56,6 @@ def synthetic_batch(config: DFlashConfig, lengths: list[int], cfg: TrainConfig, 
     as if the target had written the rows (its greedy tokens are the rows' own next tokens)."""
     samples = synthetic_samples(lengths, config.vocab_size, seed)
     generator = torch.Generator().manual_seed(seed)
-    width = len(config.target_layer_ids) * config.hidden_size
+    width = config.feature_width
     rows = [TargetRow(torch.randn(len(ids), width, generator=generator), torch.tensor(ids[1:] + ids[:1])) for ids in samples["input_ids"]]
     return make_batch(samples, list(range(len(lengths))), rows, config, cfg, seed, epoch=0)

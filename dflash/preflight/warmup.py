@@ -240,7 +240,7 @@ def check_memory(verdict: WarmupVerdict, device: str, target_manifest, drafter: 
     memory = drafter_rank_memory(
         Shape.of(target_config),
         Shape.of(drafter_config) if drafter.draft_vocab_size is None else replace(Shape.of(drafter_config), vocab=drafter.draft_vocab_size),
-        len(drafter_config.target_layer_ids) * drafter_config.hidden_size,
+        drafter_config.feature_width,
         rows,
         length,
         train,

@@ -10,7 +10,7 @@ from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
 sys.path.insert(0, workflow.basedir)
-from dflash.config import TRANSPORT_KEYS, ConfigError, canonical_json, check_local_sources, load_config, to_dict
+from dflash.config import EMBEDDED, HELDOUT, HUMANEVAL, TRANSPORT_KEYS, ConfigError, canonical_json, check_local_sources, load_config, to_dict
 
 
 # The typed config first: its messages name the dotted key ("train.lrr: unknown key; allowed keys here
@@ -126,7 +126,7 @@ def package(*modules):
 def local_inputs(source, embedded=None):
     """The local files a config source names (a prompt file, the files of a model directory), as job inputs:
     editing them reruns the job. ``embedded`` is the file the ``embedded`` source reads; hub ids give nothing."""
-    if source == "embedded":
+    if source == EMBEDDED:
         return [embedded] if embedded else []
     path = Path(source).expanduser()
     if path.is_file():
