@@ -26,7 +26,7 @@ if [ "$device" = cuda ]; then backend=flex; precision=bf16; warm=cuda0; else bac
 mkdir -p "$OUT"
 stage() { local name=$1; shift; local start=$SECONDS; "$PY" -m dflash "$@" > "$OUT/$name.log" 2>&1 || { tail -n 40 "$OUT/$name.log"; exit 1; }; echo "$name: $((SECONDS - start)) s"; }
 
-data=$($PY -c "import json,sys; print(json.dumps({'prompts': {'source': sys.argv[4], 'limit': int(sys.argv[1])}, 'heldout_limit': int(sys.argv[3]), 'validation': 8, 'max_length': 512, 'max_prompt_length': 256, 'generation': {'max_new_tokens': int(sys.argv[2]), 'batch_size': 32, 'chunk_size': 64}}))" "$PROMPTS" "$NEW_TOKENS" "$EVAL" "$PROMPT_SOURCE")
+data=$($PY -c "import json,sys; print(json.dumps({'prompts': {'source': sys.argv[4], 'limit': int(sys.argv[1])}, 'heldout_fraction': 0.4, 'heldout_limit': int(sys.argv[3]), 'validation': 8, 'max_length': 512, 'max_prompt_length': 256, 'generation': {'max_new_tokens': int(sys.argv[2]), 'batch_size': 32, 'chunk_size': 64}}))" "$PROMPTS" "$NEW_TOKENS" "$EVAL" "$PROMPT_SOURCE")
 epochs=$($PY -c "import math,sys; print(max(1, math.ceil(int(sys.argv[1]) / math.ceil(int(sys.argv[2]) / 8))))" "$STEPS" "$PROMPTS")
 drafter="{\"block_size\": 4, \"draft_vocab_size\": $DRAFT_VOCAB}"
 train=$($PY -c "import json,sys; print(json.dumps({'epochs': int(sys.argv[1]), 'batch_size': 8, 'max_anchors': 64, 'attention_backend': sys.argv[2], 'precision': sys.argv[3], 'compile': True, 'log_every': 10, 'validate_every': 50}))" "$epochs" "$backend" "$precision")
@@ -42,7 +42,7 @@ stage train train --drafter "$drafter" --train "$train" --topology "$topology" -
   --preflight "$OUT/warmup.json" --out-dir "$OUT/train" --checkpoint-dir "$OUT/cache"
 eval=$($PY -c "import json,sys; n=int(sys.argv[1]); print(json.dumps({'max_new_tokens': int(sys.argv[2]), 'sets': [{'name': 'chat', 'source': 'heldout', 'limit': n}, {'name': 'humaneval', 'source': 'humaneval', 'limit': n}]}))" "$EVAL" "$NEW_TOKENS")
 stage evaluate evaluate --eval "$eval" --topology "$topology" --target-manifest "$OUT/target.json" --drafter "$OUT/train/drafter" \
-  --heldout "$OUT/data/heldout.jsonl" --out-dir "$OUT/eval"
+  --heldout "$OUT/data/heldout.jsonl" --validation "$OUT/data/validation.parquet" --out-dir "$OUT/eval"
 start=$SECONDS
 "$PY" benchmarks/ddp_warm_cache.py > "$OUT/ddp_warm_cache.log" 2>&1 || { cat "$OUT/ddp_warm_cache.log"; exit 1; }
 echo "ddp_warm_cache: $((SECONDS - start)) s"
@@ -62,6 +62,7 @@ print(f"training: {train['steps']} steps, {train['tokens_per_second']:.0f} token
       f"first step {train['first_step_seconds']:.1f} s, compile cache {cache.get('fxgraph_cache_hit', 0)} hit(s) {cache.get('fxgraph_cache_miss', 0)} miss(es), "
       f"peak memory {train['peak_memory_gb']} GB")
 for row in summary.itertuples():
-    print(f"{row.set}: tau {row.tau:.2f}, speedup {row.speedup:.2f} (prompt lookup tau {row.pld_tau:.2f}, {row.pld_speedup:.2f}), lossless {row.lossless and row.pld_lossless}")
+    print(f"{row.set}: tau {row.tau:.2f}, speedup {row.speedup:.2f} (prompt lookup tau {row.pld_tau:.2f}, {row.pld_speedup:.2f}; "
+          f"hybrid tau {row.hybrid_tau:.2f}, {row.hybrid_speedup:.2f}), lossless {row.lossless and row.pld_lossless and row.hybrid_lossless}")
 print((out / "ddp_warm_cache.log").read_text().strip())
 EOF

@@ -304,6 +304,8 @@ def _check_ranges(c: Config) -> None:
     minimums = {
         "data.max_length": (c.data.max_length, 1),
         "data.max_prompt_length": (c.data.max_prompt_length, 1),
+        # The evaluation calibrates the drafter's confidence on them.
+        "data.validation": (c.data.validation, 1),
         "data.generation.max_new_tokens": (c.data.generation.max_new_tokens, 1),
         "data.generation.batch_size": (c.data.generation.batch_size, 1),
         "data.generation.concurrency": (c.data.generation.concurrency, 1),

@@ -288,13 +288,8 @@ def speculative_generate(
     stats = DecodeStats(block_size=block_size, num_input_tokens=prompt_len, num_output_tokens=0)
 
     start_time = _clock(device)
-    out = target.model(
-        input_ids=input_ids,
-        position_ids=torch.arange(prompt_len, device=device)[None],
-        cache=target_cache,
-        use_cache=True,
-        output_hidden_states=hidden_states,
-        logits_to_keep=1,
+    out = target.forward(
+        input_ids, target_cache, position_ids=torch.arange(prompt_len, device=device)[None], output_hidden_states=hidden_states, logits_to_keep=1
     )
     stats.target_forwards += 1
     tokens.append(int(out.logits[0, -1].argmax()))
@@ -314,12 +309,8 @@ def speculative_generate(
             stats.draft_seconds += _clock(device) - drafting
         draft = proposal.tokens[: verify_size - 1]
         block_ids = torch.tensor([[tokens[-1]] + draft], device=device)
-        out = target.model(
-            input_ids=block_ids,
-            position_ids=torch.arange(start, start + block_ids.shape[1], device=device)[None],
-            cache=target_cache,
-            use_cache=True,
-            output_hidden_states=hidden_states,
+        out = target.forward(
+            block_ids, target_cache, position_ids=torch.arange(start, start + block_ids.shape[1], device=device)[None], output_hidden_states=hidden_states
         )
         stats.target_forwards += 1
         verified = out.logits[0].argmax(-1)

@@ -236,7 +236,7 @@ def measure_draft_cost(target: Target, drafter: DFlashDrafter, cost: VerifyCost,
     from transformers import DynamicCache
 
     ids = torch.randint(0, target.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(target.device)
-    out = target.model(input_ids=ids, cache=DynamicCache(config=target.config), use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    out = target.forward(ids, DynamicCache(config=target.config), output_hidden_states=True, logits_to_keep=1)
     proposer = DFlashProposer(target, drafter)
     proposer.observe(out.hidden_states, context, 0)
     tokens = ids[0].tolist() + [int(out.logits[0, -1].argmax())]  # as after a prefill: the first new token not yet processed
@@ -269,7 +269,10 @@ def run_evaluation(
     draft_cost = measure_draft_cost(target, drafter, cost, block_size) if cost.step_ms else 0.0
     log.info("verify cost c(k)/c(1): %s; a proposal costs %.3f target steps", " ".join(f"{c:.2f}" for c in cost.relative), draft_cost)
     if validation is None or not len(validation):
-        raise InputError("the evaluation calibrates the drafter's confidence on the validation samples, and there are none: set data.validation above 0")
+        raise InputError(
+            "the evaluation calibrates the drafter's confidence on the validation samples, and prepare_data made none: "
+            "raise data.validation, or data.heldout_fraction (validation samples come from the held-out prompts evaluation does not use)"
+        )
     calibration, outcomes = calibrate(target, drafter, validation, block_size)
     calibration.save(out_dir / "calibration.json")
     predicted = predicted_tau(outcomes, calibration, cost, draft_cost)

@@ -85,15 +85,6 @@ def expected_tokens(accept: Sequence[float]) -> float:
     return expected
 
 
-def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - begin)
-    return statistics.median(times) * 1e3
-
-
 @torch.no_grad()
 def measure_verify_cost(target, max_width: int, context: int = 256, repeats: int = 7) -> VerifyCost:
     """c(k)/c(1) for k = 1..``max_width``: the target's forward over k new tokens after ``context`` cached ones, as
@@ -103,10 +94,10 @@ def measure_verify_cost(target, max_width: int, context: int = 256, repeats: int
     device = target.device
     ids = torch.randint(0, target.config.vocab_size, (1, context + max_width), generator=torch.Generator().manual_seed(0)).to(device)
     cache = DynamicCache(config=target.config)
-    target.model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
+    target.forward(ids[:, :context], cache, logits_to_keep=1)
 
     def verify(k: int) -> None:
-        target.model(input_ids=ids[:, context : context + k], position_ids=torch.arange(context, context + k, device=device)[None], cache=cache, use_cache=True)
+        target.forward(ids[:, context : context + k], cache, position_ids=torch.arange(context, context + k, device=device)[None])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         cache.crop(-k)
@@ -116,7 +107,9 @@ def measure_verify_cost(target, max_width: int, context: int = 256, repeats: int
     times: dict[int, list[float]] = defaultdict(list)
     for _ in range(repeats):
         for k in range(1, max_width + 1):
-            times[k].append(_median_ms(lambda k=k: verify(k), 1))
+            begin = time.perf_counter()
+            verify(k)
+            times[k].append((time.perf_counter() - begin) * 1e3)
     medians = [statistics.median(times[k]) for k in range(1, max_width + 1)]
     return VerifyCost(relative=tuple(m / medians[0] for m in medians), step_ms=medians[0])
 

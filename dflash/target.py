@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +120,11 @@ class Target:
 
     # -- forward passes ---------------------------------------------------------------------------
 
+    def forward(self, input_ids: torch.Tensor, cache, **kwargs):
+        """The model's forward over ``input_ids`` extending the KV ``cache``, which transformers takes as ``cache`` from
+        5.24 on and as ``past_key_values`` before (the device image has 5.17)."""
+        return self.model(input_ids=input_ids, **{_cache_keyword(type(self.model)): cache}, use_cache=True, **kwargs)
+
     @torch.no_grad()
     def features(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int], top_k: int = 0, head_chunk: int = 1024
@@ -166,6 +173,11 @@ class Target:
         else:  # a template that renders the prompt differently once it is answered: the reply's own tokens
             ids = list(self.tokenizer.encode(reply, add_special_tokens=False)) + self.eos_token_ids[:1]
         return until_stop(ids, set(self.eos_token_ids))
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def until_stop(tokens: list[int], stop: set[int]) -> list[int]:

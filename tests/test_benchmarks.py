@@ -72,3 +72,27 @@ def test_gpu_check_runs_its_whole_path_on_the_cpu(tmp_path):
     assert any(line.startswith("humaneval: tau ") for line in lines)
     assert any("training: " in line and "peak memory" in line for line in lines)
     assert (tmp_path / "out" / "train" / "drafter" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_the_device_kit_passes_its_rehearsal_on_the_device_image(tmp_path):
+    """benchmarks/device_kit_rehearsal.sh: a fresh venv with the lent GPU machine's packages (transformers 5.17, no
+    snakemake, datasets, wandb), offline, runs every part of the kit's CPU path."""
+    import json
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    venv = os.environ.get("DFLASH_REHEARSAL_VENV", str(tmp_path / "venv"))
+    env = dict(os.environ, OUT=str(tmp_path / "out"), TQDM_DISABLE="1")
+    done = subprocess.run(["bash", str(root / "benchmarks" / "device_kit_rehearsal.sh"), venv], cwd=root, env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    kit = json.loads((tmp_path / "out" / "kit.json").read_text())
+    parts = kit["parts"]
+    assert parts["environment"]["transformers"] == "5.17.0"
+    assert all(part["ok"] for part in parts.values()), {name: part.get("error") for name, part in parts.items()}
+    assert parts["train_step"]["steps"] == 3 and parts["train_step"]["tokens_per_second"] > 0
+    assert parts["compile_cache"]["warm_loads_every_graph"] and parts["compile_cache"]["cold"]["fxgraph_cache_miss"] > 0
+    assert parts["regeneration"]["complete"] and parts["regeneration"]["requests"] == 6
+    assert parts["decode"]["lossless"] and parts["decode"]["compared"] == 6 and parts["decode"]["verify_cost"]["1"] == 1.0
+    assert "device kit: 5/5 parts ok" in done.stdout
