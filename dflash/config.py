@@ -140,6 +140,15 @@ class TopologyConfig:
     target_ranks: int = 0  # split: ranks computing target hidden states; the rest train the drafter
     data_parallel: Literal["ddp", "fsdp"] = "ddp"  # fsdp shards the drafter's training state when a replica does not fit
 
+    @property
+    def world(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def drafter_world(self) -> int:
+        """The data-parallel drafter ranks."""
+        return self.world - (self.target_ranks if self.kind == "split" else 0)
+
 
 def cpu_threads(local_processes: int | None = None) -> int:
     """Intra-op threads of one process: ``DFLASH_CPU_THREADS`` if set, else the cores the process may
@@ -342,7 +351,7 @@ def _check_ranges(c: Config) -> None:
         raise ConfigError(f"train.warmup_ratio: must be in [0, 1), got {c.train.warmup_ratio}")
     if c.data.generation.temperature < 0:
         raise ConfigError(f"data.generation.temperature: must be >= 0, got {c.data.generation.temperature}")
-    world = c.topology.nnodes * c.topology.nproc_per_node
+    world = c.topology.world
     if c.topology.kind == "split":
         if not 1 <= c.topology.target_ranks < world:
             raise ConfigError(

@@ -286,9 +286,9 @@ def prepare_data(cfg: DataConfig, seed: int, target: Target, out_dir: Path, chun
     plans = [Plan.of(train, cfg.regenerate, cfg, target, card), Plan.of(validation, None, cfg, target, checks_card)]
     requests = [plan.requests() for plan in plans]
     done = regenerate(requests[0] + requests[1], engine_for(target, cfg.generation), cfg.generation, seed, chunk_dir, layout)
-    log.info("regenerated %d responses, %d found in complete chunks under %s", done.generated, done.reused, chunk_dir)
     if not layout.is_main:
         return None
+    log.info("regenerated %d responses, %d found in complete chunks under %s", done.generated, done.reused, chunk_dir)
     card.regeneration_tokens_per_second = round(done.tokens_per_second, 1)
     samples = plans[0].samples(done.responses[: len(requests[0])], cfg, target, card)
     if samples.empty:

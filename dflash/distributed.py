@@ -81,7 +81,7 @@ def single_process(device: torch.device | str = "cpu") -> Layout:
 
 def init(topology: TopologyConfig) -> Layout:
     """Join the process group torchrun set up (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) and create the drafter ranks' group."""
-    world = topology.nnodes * topology.nproc_per_node
+    world = topology.world
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != world:
         raise PreflightError(
@@ -100,7 +100,7 @@ def init(topology: TopologyConfig) -> Layout:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    drafter_world = world - topology.target_ranks if topology.kind == "split" else world
+    drafter_world = topology.drafter_world
     group = None
     if world > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"

@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
@@ -37,11 +37,10 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from dflash import distributed
 from dflash.config import GenerationConfig, ServerConfig
 from dflash.distributed import Layout
 from dflash.errors import InputError
-from dflash.io import atomic_path
+from dflash.io import atomic_path, atomic_write_text
 from dflash.target import Target, until_stop
 
 log = logging.getLogger(__name__)
@@ -200,10 +199,17 @@ class ServerEngine:
         return ids[: settings.max_new_tokens]
 
     def generate(self, requests: list[Request], seed: int) -> list[list[int]]:
-        workers = len(self.clients) * self.settings.concurrency
-        with ThreadPoolExecutor(max_workers=workers) as pool:
+        pool = ThreadPoolExecutor(max_workers=len(self.clients) * self.settings.concurrency)
+        try:
             futures = [pool.submit(self._answer, *self.clients[i % len(self.clients)], request) for i, request in enumerate(requests)]
+            # The first failure surfaces at once: the requests still queued are cancelled, not waited for.
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f.exception() for f in done if f.exception() is not None), None)
+            if failed is not None:
+                raise failed
             return [future.result() for future in futures]
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Engine(Protocol):
@@ -245,6 +251,27 @@ class ChunkStore:
         with atomic_path(self._path(chunk)) as staging:
             pd.DataFrame({"digest": digest, "response": responses}).to_parquet(staging, index=False)
 
+    def record(self, run: str, rank: int, generated: int, rate: float) -> None:
+        """That ``rank`` finished its chunks of ``run``, generating ``generated`` responses at ``rate`` tokens/s."""
+        atomic_write_text(self.directory / f"rank-{rank:05d}.json", json.dumps({"run": run, "generated": generated, "rate": rate}))
+
+    def wait_for(self, run: str, world: int, chunks: list[tuple[int, str]], poll: float = 2.0) -> list[dict]:
+        """Every rank's record of ``run``, once each of ``chunks`` (index, digest) is complete on disk."""
+        waiting_since, announced = time.monotonic(), 0.0
+        while True:
+            records = []
+            for rank in range(world):
+                path = self.directory / f"rank-{rank:05d}.json"
+                record = json.loads(path.read_text()) if path.is_file() else None
+                records.append(record if record and record.get("run") == run else None)
+            if all(records) and all(self._path(c).is_file() and self.load(c, d) is not None for c, d in chunks):
+                return records
+            waited = time.monotonic() - waiting_since
+            if waited - announced >= 60:
+                announced = waited
+                log.info("waiting %.0f min for the ranks %s to finish their chunks", waited / 60, [r for r, rec in enumerate(records) if rec is None])
+            time.sleep(poll)
+
 
 def chunk_digest(requests: list[Request], recipe: dict) -> str:
     """What a chunk's responses depend on: its prompts' tokens and the settings and engine that answer them."""
@@ -260,9 +287,9 @@ _TRANSPORT = ("servers", "concurrency", "retries", "timeout", "chunk_size")
 @dataclass
 class Regenerated:
     responses: list[list[int]]  # one per request, in order (rank 0; empty elsewhere)
-    generated: int  # requests this run generated (over every rank)
-    reused: int  # requests found in complete chunks
-    tokens_per_second: float  # of this run's generation, summed over the ranks
+    generated: int  # requests this run generated (rank 0: over every rank; elsewhere: this rank's)
+    reused: int  # requests found in complete chunks (rank 0)
+    tokens_per_second: float  # of this run's generation (rank 0: summed over the ranks)
 
 
 def regenerate(requests: list[Request], engine: Engine, settings: GenerationConfig, seed: int, chunk_dir: Path, layout: Layout) -> Regenerated:
@@ -288,7 +315,14 @@ def regenerate(requests: list[Request], engine: Engine, settings: GenerationConf
             bar.update(len(responses))
             bar.set_postfix(tokens=tokens)
     rate = tokens / (time.perf_counter() - start) if generated else 0.0
-    totals = distributed.all_reduce_sum(torch.tensor([generated, rate], dtype=torch.float64, device=layout.device), layout, everyone=True)
-    distributed.barrier(layout)  # every chunk is on disk
-    responses = [r for c in range(len(chunks)) for r in store.load(c, digests[c])] if layout.is_main else []
-    return Regenerated(responses, int(totals[0]), len(requests) - int(totals[0]), float(totals[1]))
+    # No collective waits on this unbounded work (a rank an hour ahead of the slowest would meet the NCCL watchdog):
+    # each rank records what it generated, rank 0 polls the disk for every chunk and record, and a rank that fails ends
+    # the job through torchrun at once.
+    run = chunk_digest([], {"digests": digests})
+    store.record(run, layout.rank, generated, rate)
+    if not layout.is_main:
+        return Regenerated([], generated, 0, rate)
+    records = store.wait_for(run, layout.world, [(c, digests[c]) for c in range(len(chunks))])
+    total = sum(r["generated"] for r in records)
+    responses = [r for c in range(len(chunks)) for r in store.load(c, digests[c])]
+    return Regenerated(responses, total, len(requests) - total, sum(r["rate"] for r in records))

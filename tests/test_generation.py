@@ -218,3 +218,28 @@ def test_the_api_key_comes_from_the_environment_variable_the_config_names(monkey
         api_key(server)
     monkeypatch.setenv("DFLASH_TEST_KEY", "sk-123")
     assert api_key(server) == "sk-123"
+
+
+def test_a_failed_server_request_surfaces_at_once_and_cancels_the_queue(monkeypatch):
+    """One request fails at once while the others would take seconds each: generate raises within a second, and the
+    queued requests never start."""
+    from dflash.generation import Request
+
+    started = []
+
+    def answer(self, client, server, request):
+        started.append(request.prompt_id)
+        if request.prompt_id == "0":
+            raise InputError("the server rejected prompt 0")
+        time.sleep(2.0)
+        return [1]
+
+    monkeypatch.setattr(ServerEngine, "_answer", answer)
+    engine = object.__new__(ServerEngine)  # no server to check: _answer is replaced
+    engine.clients = [(None, ServerConfig(url="http://127.0.0.1:9/v1", model="m"))]
+    engine.settings = GenerationConfig(engine="server", concurrency=2)
+    begin = time.perf_counter()
+    with pytest.raises(InputError, match="rejected prompt 0"):
+        engine.generate([Request(str(i), [], [i]) for i in range(20)], seed=0)
+    assert time.perf_counter() - begin < 1.5
+    assert len(started) <= 3  # the two workers' first requests, and at most one more before the cancel

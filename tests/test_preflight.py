@@ -25,7 +25,7 @@ from dflash.preflight.gate import PROCESSES, THREADS, check_preflight
 from dflash.preflight.race import Deterministic, RaceVerdict, Trials, judge
 from dflash.preflight.smoke_imports import import_lines, smoke_imports
 from dflash.preflight.verdict import Verdict, read_verdict, write_verdict
-from dflash.preflight.warmup import _device_env, drafter_world
+from dflash.preflight.warmup import _device_env
 
 # The flag became thread-local after 2.13 (pytorch PR #168999); up to 2.13 the deterministic race must reproduce.
 RACY_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) <= (2, 13)
@@ -281,9 +281,9 @@ def test_warmup_compiles_for_the_device_index_training_uses(monkeypatch):
 
 
 def test_drafter_world_counts_the_data_parallel_ranks():
-    assert drafter_world(TopologyConfig()) == 1
-    assert drafter_world(TopologyConfig(nproc_per_node=3)) == 3
-    assert drafter_world(TopologyConfig(kind="split", nnodes=2, nproc_per_node=4, target_ranks=3)) == 5
+    assert TopologyConfig().drafter_world == 1
+    assert TopologyConfig(nproc_per_node=3).drafter_world == 3
+    assert TopologyConfig(kind="split", nnodes=2, nproc_per_node=4, target_ranks=3).drafter_world == 5
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])

@@ -63,7 +63,7 @@ def check_preflight(paths: list[Path], topology: TopologyConfig) -> dict[str, di
         verdicts[f"warmup_cache/{verdict['device']}" if stage == "warmup_cache" else stage] = verdict
     race = verdicts.get("repro_fx_race")
     if race is not None:
-        world = topology.nnodes * topology.nproc_per_node
+        world = topology.world
         if race.get("ok") and THREADS in race.get("safe_for", []):
             log.info("repro_fx_race: %s; training runs %d process(es), one thread of compiled code each", race.get("summary"), world)
         else:

@@ -65,11 +65,6 @@ class WarmupVerdict(Verdict):
     warm: dict = field(default_factory=dict)
 
 
-def drafter_world(topology: TopologyConfig) -> int:
-    """The data-parallel drafter ranks of a topology."""
-    return topology.nnodes * topology.nproc_per_node - (topology.target_ranks if topology.kind == "split" else 0)
-
-
 # -- the training step, in a fresh process ---------------------------------------------------------
 
 
@@ -183,7 +178,7 @@ def warmup_cache(
     verdict = WarmupVerdict(device=device, cache_dir=str(cache_dir))
     torch_device, env = _device_env(device)
     lengths = [len(ids) for ids in read_samples(samples)["input_ids"]]
-    verdict.shapes = [list(shape) for shape in step_shapes(lengths, train, drafter_world(topology))]
+    verdict.shapes = [list(shape) for shape in step_shapes(lengths, train, topology.drafter_world)]
     check_memory(verdict, torch_device, target_manifest, drafter, train, topology)
     if not verdict.ok:
         verdict.summarize(f"{device}: not warmed, the run would not fit")
@@ -247,7 +242,7 @@ def check_memory(verdict: WarmupVerdict, device: str, target_manifest, drafter: 
         drafter_config.block_size,
         target_bytes=torch.finfo(dtype).bits // 8,
         holds_layers=topology.kind == "colocated",
-        shards=drafter_world(topology) if topology.data_parallel == "fsdp" else 1,
+        shards=topology.drafter_world if topology.data_parallel == "fsdp" else 1,
     )
     available = torch.cuda.get_device_properties(torch_device).total_memory if torch_device.type == "cuda" else psutil.virtual_memory().available
     gb = {name: value / 1e9 for name, value in asdict(memory).items()} | {"estimate": memory.total / 1e9, "available": available / 1e9}
