@@ -85,7 +85,7 @@ def draft_costs(target, drafter, block_size: int, context: int, repeats: int) ->
     hidden = forward()[0, 1:].to(proposer.head.dtype)
     return {
         "forward_ms": median_ms(forward, repeats),
-        "head_ms": median_ms(lambda: (hidden @ proposer.head.t()).argmax(-1), repeats),
+        "head_ms": median_ms(lambda: proposer.project(hidden).argmax(-1), repeats),
         "draft_vocab": len(drafter.draft_vocab) if drafter.draft_vocab is not None else target.config.vocab_size,
     }
 

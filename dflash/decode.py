@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
+from dflash.kernels import PackedLinear, projection
 from dflash.model import DFlashDrafter, DraftCache
 from dflash.policy import Calibration, LookupConfidence, VerifyCost
 from dflash.target import Target, select_features
@@ -109,8 +110,9 @@ class DFlashProposer:
         self.cache = DraftCache()
         vocab = drafter.draft_vocab
         weight = target.lm_head.weight
-        # The draft side needs no exactness: the head runs in the drafter's dtype.
+        # The draft side needs no exactness: the head runs in the drafter's dtype, on the drafter's linear kernel.
         self.head = (weight if vocab is None else vocab.head(weight)).to(drafter.fc.weight.dtype)
+        self.project = projection(self.head, packed=isinstance(drafter.fc, PackedLinear))
         self.token_ids = None if vocab is None else vocab.token_ids.to(weight.device)
         self.context: torch.Tensor | None = None  # features of the positions not yet in the cache
         self.context_start = 0
@@ -135,7 +137,7 @@ class DFlashProposer:
             cache=self.cache,
         )
         self.context = None  # now in the cache
-        logits = hidden[0, 1:].to(self.head.dtype) @ self.head.t()
+        logits = self.project(hidden[0, 1:].to(self.head.dtype))
         drafted = logits.argmax(-1)
         ids = (drafted if self.token_ids is None else self.token_ids[drafted]).tolist()
         if self.calibration is None:

@@ -16,6 +16,7 @@ per row count) the model is left as it is.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -45,6 +46,7 @@ class PackedLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+@functools.cache
 def packed_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN's packed linear runs here and gives every row the same bits at every row count."""
     if device.type != "cpu" or dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
@@ -58,6 +60,15 @@ def packed_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
     except RuntimeError as err:  # an op missing from this build
         log.info("oneDNN packed linear unavailable: %s", err)
         return False
+
+
+def projection(weight: torch.Tensor, packed: bool):
+    """``x -> x @ weight.t()`` for a few rows of ``x``: on oneDNN's packed kernel when ``packed`` (and available here)."""
+    if packed and packed_kernel_available(weight.device, weight.dtype):
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        return PackedLinear(linear)
+    return lambda x: x @ weight.t()
 
 
 def pack_linears(model: nn.Module, kernel: str = "auto") -> int:

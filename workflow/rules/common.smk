@@ -56,6 +56,13 @@ def section(*keys, only=None, without=()):
     return canonical_json({name: value[name] for name in names})
 
 
+def data_section(transport):
+    """The data section without (``transport=False``) or with only (``True``) the keys of how requests reach servers."""
+    data = json.loads(section("data"))
+    moved = {key: data["generation"].pop(key) for key in TRANSPORT_KEYS}
+    return canonical_json(moved if transport else data)
+
+
 # The package files a job runs are its inputs: code inside an installed package is otherwise invisible to
 # Snakemake. Found from the import statements, so that a new import is never forgotten: the entry points
 # (`python -m dflash` and the subcommand table) with their module-level imports; the stage modules a rule

@@ -21,13 +21,6 @@ rule prepare_target:
         "python -m dflash prepare-target --target {params.target:q} --out {output} > {log} 2>&1"
 
 
-def data_section(transport):
-    """The data section without (``transport=False``) or with only (``True``) the keys of how requests reach servers."""
-    data = json.loads(section("data"))
-    moved = {key: data["generation"].pop(key) for key in TRANSPORT_KEYS}
-    return canonical_json(moved if transport else data)
-
-
 rule prepare_data:
     input:
         package("target", "data", "generation"),
