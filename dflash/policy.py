@@ -56,9 +56,6 @@ class VerifyCost:
             raise ValueError(f"width {wanted} outside the cost table's 1..{self.max_width}")
         return min(range(wanted, self.max_width + 1), key=lambda k: (self.relative[k - 1], k))
 
-    def cost(self, wanted: int) -> float:
-        return self.relative[self.width(wanted) - 1]
-
     def best_length(self, accept: Sequence[float], draft_cost: float = 0.0) -> tuple[int, float]:
         """``(n, gain)``: how many tokens to verify after the last committed one, and the expected committed tokens per
         unit of cost that gives: the best over the proposal's prefixes, each padded to its cheapest width (slots past

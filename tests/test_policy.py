@@ -39,7 +39,7 @@ def test_gate_weighs_expected_tokens_against_cost_and_the_drafting_cost():
 def test_verify_is_padded_to_the_cheapest_width_at_or_above_the_wanted_one():
     cost = VerifyCost((1.0, 1.7, 2.3, 1.4))  # a BLAS whose 4-row product is cheaper than its 2- and 3-row ones
     assert [cost.width(k) for k in (1, 2, 3, 4)] == [1, 4, 4, 4]
-    assert cost.cost(2) == 1.4
+    assert cost.relative[cost.width(2) - 1] == 1.4
     # One confident token is verified at width 4 with two more draft tokens: E = 1 + .9 + .9*.2 + .9*.2*.1.
     n, gain = cost.best_length([0.9, 0.2, 0.1])
     assert n == 3 and gain == pytest.approx((1 + 0.9 + 0.18 + 0.018) / 1.4)
