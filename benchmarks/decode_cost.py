@@ -10,8 +10,9 @@ a speculative step costs in target steps:
 - the target's forward over k new tokens after a KV cache of ``--context`` tokens,
   c(k)/c(1) for k = 1..max(8, B), on torch's default linear and on oneDNN's packed one
   (``dflash.kernels``), the two interleaved in rounds (median over rounds);
-- one draft step of the run's drafter at its block size, split into its forward and
-  the LM head over its draft vocabulary (with the argmax), each as a fraction of c(1).
+- one proposal of the run's drafter at its block size, per draft kernel (torch's
+  default, oneDNN packed, int8), as a fraction of c(1): right after a target verify,
+  as decoding pays it, and timed alone, where its weights stay in the CPU's caches.
 
 The speedup a run can reach is about τ / (c(B)/c(1) + draft cost): the figures say which
 part to improve. Median timings; machines of one kind differ, so compare ratios.
@@ -61,33 +62,27 @@ def kernel_costs(target, context: int, max_width: int, repeats: int, rounds: int
     return {name: [statistics.median(column) for column in zip(*rows)] for name, rows in per_round.items()}
 
 
-@torch.no_grad()
-def draft_costs(target, drafter, block_size: int, context: int, repeats: int) -> dict[str, float]:
-    """Milliseconds of one draft step at ``block_size`` (the evaluation's): the drafter's forward over the block
-    (with ``context`` cached keys), and the head."""
-    from dflash.decode import DFlashProposer
-    from dflash.model import DraftCache
+def draft_costs(target, drafter, block_size: int, context: int, repeats: int, rounds: int = 3) -> dict[str, dict[str, float]]:
+    """Milliseconds of one proposal of the run's drafter at ``block_size`` (the evaluation's), per draft kernel
+    available here: right after a target verify, as decoding makes it, and timed alone (the drafter's weights
+    still in cache from the proposal before); kernels interleaved in rounds, median over rounds."""
+    from dflash.decode import draft_head
+    from dflash.evaluate import measure_draft_ms
+    from dflash.kernels import draft_linears, kernel_available
 
-    proposer = DFlashProposer(target, drafter)
-    width = drafter.config.feature_width
-    cache = DraftCache()
-    drafter(
-        torch.randn(1, context, width), target.embed(torch.zeros(1, 1, dtype=torch.long)), torch.arange(context)[None], torch.tensor([[context]]), cache=cache
-    )
-    block = torch.tensor([[1] + [drafter.mask_token_id] * (block_size - 1)])
-    embeddings = target.embed(block)
-    positions = torch.arange(context, context + block_size)[None]
-    no_context = torch.empty(1, 0, width)
-
-    def forward():
-        return drafter(no_context, embeddings, torch.empty(1, 0, dtype=torch.long), positions, cache=cache)
-
-    hidden = forward()[0, 1:].to(proposer.head.dtype)
-    return {
-        "forward_ms": median_ms(forward, repeats),
-        "head_ms": median_ms(lambda: proposer.project(hidden).argmax(-1), repeats),
-        "draft_vocab": len(drafter.draft_vocab) if drafter.draft_vocab is not None else target.config.vocab_size,
-    }
+    parameter = next(drafter.parameters())
+    drafters = {}
+    for kernel in ("default", "packed", "int8"):
+        if kernel_available(kernel, parameter.device, parameter.dtype):
+            drafters[kernel] = copy.deepcopy(drafter)
+            draft_linears(drafters[kernel], kernel)
+    heads = {kernel: draft_head(target, model) for kernel, model in drafters.items()}
+    timings: dict[str, dict[str, list[float]]] = {kernel: {"decoding_ms": [], "alone_ms": []} for kernel in drafters}
+    for _ in range(rounds):
+        for kernel, model in drafters.items():
+            for key, after_verify in (("decoding_ms", True), ("alone_ms", False)):
+                timings[kernel][key].append(measure_draft_ms(target, model, heads[kernel], block_size, context, repeats, after_verify))
+    return {kernel: {key: statistics.median(values) for key, values in columns.items()} for kernel, columns in timings.items()}
 
 
 def acceptance(results: Path, summary: pd.DataFrame) -> tuple[dict[str, list[float]], dict[str, dict[int, int]]]:
@@ -112,7 +107,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from dflash.config import cpu_threads
-    from dflash.kernels import pack_linears
+    from dflash.kernels import pack_linears, resolve_kernel
     from dflash.model import DFlashDrafter
     from dflash.target import load_from_manifest
 
@@ -124,34 +119,39 @@ def main() -> None:
     widths = list(range(1, max(8, block_size) + 1))
     costs = kernel_costs(target, args.context, len(widths), args.repeats)
     kernel = "packed" if "packed" in costs else "default"
-    if kernel == "packed":
-        pack_linears(target.model)
-        pack_linears(drafter)
-    draft = draft_costs(target, drafter, block_size, args.context, args.repeats)
+    pack_linears(target.model, kernel)
+    drafts = draft_costs(target, drafter, block_size, args.context, args.repeats)
+    draft_kernel = resolve_kernel("auto", target.device, target.dtype, ("int8", "packed"))
     one = costs[kernel][0]
     per_position, chosen = acceptance(args.results, summary)
 
     print(f"target forward over k tokens after {args.context} cached ({target.dtype}, {torch.get_num_threads()} threads), ms (c(k)/c(1)):")
     for name, row in costs.items():
         print(f"  {name:<8}" + "  ".join(f"{k}: {ms:.1f} ({ms / row[0]:.2f})" for k, ms in zip(widths, row)))
-    print(
-        f"draft step at B={block_size} ({kernel} linears): forward {draft['forward_ms']:.1f} ms ({draft['forward_ms'] / one:.3f} of c(1)), "
-        f"LM head over {draft['draft_vocab']} tokens {draft['head_ms']:.1f} ms ({draft['head_ms'] / one:.3f})"
-    )
-    step = costs[kernel][block_size - 1] / one + (draft["forward_ms"] + draft["head_ms"]) / one
+    print(f"one proposal at B={block_size}, ms (fraction of c(1)), per draft kernel:")
+    for name, draft in drafts.items():
+        print(
+            f"  {name:<8}after a verify {draft['decoding_ms']:.1f} ({draft['decoding_ms'] / one:.3f}), "
+            f"alone {draft['alone_ms']:.1f} ({draft['alone_ms'] / one:.3f})" + ("  <- eval.draft_kernel: auto" if name == draft_kernel else "")
+        )
+    step = costs[kernel][block_size - 1] / one + drafts[draft_kernel]["decoding_ms"] / one
     print(f"a full-block speculative step costs {step:.2f} target steps: it pays for itself above τ = {step:.2f}\n")
     print(f"{'set':<12} {'arm':<14} {'tau':>6} {'speedup':>8}  per-position acceptance (drafter); draft tokens the gate verified: steps")
     for row in summary.itertuples():
         gate = " ".join(f"{n}:{count}" for n, count in chosen[row.set].items())
         print(f"{row.set:<12} {'dflash':<14} {row.tau:>6.2f} {row.speedup:>8.2f}  {' '.join(f'{a:.2f}' for a in per_position[row.set][:8])}; {gate}")
         print(f"{row.set:<12} {'prompt lookup':<14} {row.pld_tau:>6.2f} {row.pld_speedup:>8.2f}")
-        print(f"{row.set:<12} {'hybrid':<14} {row.hybrid_tau:>6.2f} {row.hybrid_speedup:>8.2f}  lookup's proposal on {row.hybrid_lookup_share:.0%} of steps")
+        print(
+            f"{row.set:<12} {'hybrid':<14} {row.hybrid_tau:>6.2f} {row.hybrid_speedup:>8.2f}  lookup's proposal on {row.hybrid_lookup_share:.0%} of steps, the drafter run on {row.hybrid_drafter_share:.0%}"
+        )
     measured = {
         "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "target_dtype": str(target.dtype)},
         "context": args.context,
         "target_ms": costs,
         "target_ratio": {name: [round(ms / row[0], 3) for ms in row] for name, row in costs.items()},
-        "draft": draft | {"forward_ratio": round(draft["forward_ms"] / one, 3), "head_ratio": round(draft["head_ms"] / one, 3)},
+        "draft_ms": drafts,
+        "draft_ratio": {name: {key: round(ms / one, 3) for key, ms in draft.items()} for name, draft in drafts.items()},
+        "draft_kernel": draft_kernel,
         "step_in_target_steps": round(step, 3),
         "summary": summary.to_dict(orient="records"),
         "per_position_acceptance": per_position,

@@ -190,6 +190,7 @@ class EvalConfig:
     gate: bool = True  # the drafter verifies the length its calibrated confidence pays for; false: its whole block
     verify_cost: list[float] | None = None  # c(k)/c(1) for k = 1..widest verify; default: measured at the start
     linear_kernel: Literal["auto", "packed", "default"] = "auto"  # the target's linears: oneDNN packed where exact (auto)
+    draft_kernel: Literal["auto", "int8", "packed", "default"] = "auto"  # the drafter's linears and head: the fastest here (auto), exact or not
     sets: list[EvalSet] = field(default_factory=lambda: [EvalSet(name="chat", source=HELDOUT), EvalSet(name="humaneval", source=HUMANEVAL)])
 
 

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from dflash.kernels import PackedLinear, projection
+from dflash.kernels import kernel_of, projection
 from dflash.model import DFlashDrafter, DraftCache
 from dflash.policy import Calibration, LookupConfidence, VerifyCost
 from dflash.target import Target, select_features
@@ -34,6 +34,7 @@ class DecodeStats:
     acceptance_lengths: list[int] = field(default_factory=list)  # per verify step: accepted draft tokens + 1
     verified: list[int] = field(default_factory=list)  # per verify step: draft tokens verified (0: a plain step)
     choices: Counter = field(default_factory=Counter)  # per verify step: which proposer's tokens were verified ("" for none)
+    consulted: Counter = field(default_factory=Counter)  # a gated proposer's: how many steps each candidate drafted on
     # Per draft position verified after an accepted prefix: (position 1.., predicted acceptance, accepted).
     predictions: list[tuple[int, float, bool]] = field(default_factory=list)
     target_forwards: int = 0
@@ -76,6 +77,7 @@ class Proposal:
     source: str = ""  # the proposer's name
     match: int = 0  # prompt lookup: the length of the n-gram that matched
     own: int | None = None  # how many of ``tokens`` the proposer drafted (the rest pad the verify); None: all
+    consulted: tuple[str, ...] = ()  # a gated proposer's: the candidates that drafted this step
 
     @property
     def drafted(self) -> int:
@@ -84,7 +86,9 @@ class Proposal:
 
 class Proposer(Protocol):
     """What ``speculative_generate`` drafts with. ``observe`` is told of every target forward (the prefill from
-    position 0, then each verify's accepted positions); ``feedback`` of how many of a proposal's tokens were accepted."""
+    position 0, then each verify's accepted positions), whether or not ``propose`` is called after it; ``feedback``
+    of how many of a proposal's tokens were accepted; ``ceiling`` bounds the confidences a proposal of ``count``
+    tokens could carry, before drafting it (None: no bound known)."""
 
     name: str
     needs_hidden_states: bool
@@ -94,26 +98,33 @@ class Proposer(Protocol):
 
     def propose(self, tokens: list[int], count: int) -> Proposal: ...
 
+    def ceiling(self, count: int) -> list[float] | None: ...
+
     def feedback(self, proposal: Proposal, accepted: int) -> None: ...
+
+
+def draft_head(target: Target, drafter: DFlashDrafter):
+    """The drafter's logits from its hidden states: the target's LM head rows of its vocabulary, in its dtype, on
+    its layers' linear kernel (the draft side needs no exactness)."""
+    weight = target.lm_head.weight
+    vocab = drafter.draft_vocab
+    return projection((weight if vocab is None else vocab.head(weight)).to(drafter.dtype), kernel_of(drafter.layers))
 
 
 class DFlashProposer:
     """Drafts with a DFlash drafter: context keys and values of every committed token stay in its cache; each
-    proposal is one forward over ``[last token, MASK x (n)]`` projected through the target's LM head rows of the
-    drafter's vocabulary. With a ``calibration``, each token carries the calibrated probability of its acceptance."""
+    proposal is one forward over ``[last token, MASK x (n)]`` projected through ``head`` (``draft_head``, built
+    once per drafter). With a ``calibration``, each token carries the calibrated probability of its acceptance."""
 
     name = "dflash"
     needs_hidden_states = True
 
-    def __init__(self, target: Target, drafter: DFlashDrafter, calibration: Calibration | None = None, draft_cost: float = 0.0):
+    def __init__(self, target: Target, drafter: DFlashDrafter, calibration: Calibration | None = None, draft_cost: float = 0.0, head=None):
         self.target, self.drafter, self.calibration, self.draft_cost = target, drafter, calibration, draft_cost
         self.cache = DraftCache()
+        self.project = draft_head(target, drafter) if head is None else head
         vocab = drafter.draft_vocab
-        weight = target.lm_head.weight
-        # The draft side needs no exactness: the head runs in the drafter's dtype, on the drafter's linear kernel.
-        self.head = (weight if vocab is None else vocab.head(weight)).to(drafter.fc.weight.dtype)
-        self.project = projection(self.head, packed=isinstance(drafter.fc, PackedLinear))
-        self.token_ids = None if vocab is None else vocab.token_ids.to(weight.device)
+        self.token_ids = None if vocab is None else vocab.token_ids.to(target.device)
         self.context: torch.Tensor | None = None  # features of the positions not yet in the cache
         self.context_start = 0
 
@@ -137,13 +148,16 @@ class DFlashProposer:
             cache=self.cache,
         )
         self.context = None  # now in the cache
-        logits = self.project(hidden[0, 1:].to(self.head.dtype))
+        logits = self.project(hidden[0, 1:])
         drafted = logits.argmax(-1)
         ids = (drafted if self.token_ids is None else self.token_ids[drafted]).tolist()
         if self.calibration is None:
             return Proposal(ids, source=self.name)
         top = torch.softmax(logits.float(), dim=-1).amax(-1).tolist()
         return Proposal(ids, accept=self.calibration(top), source=self.name)
+
+    def ceiling(self, count: int) -> list[float] | None:
+        return None if self.calibration is None else self.calibration.ceiling(count)
 
     def feedback(self, proposal: Proposal, accepted: int) -> None:
         pass
@@ -187,19 +201,24 @@ class PromptLookupProposer:
                     return Proposal(found, accept=accept, source=self.name, match=n)
         return Proposal([], accept=[], source=self.name)
 
+    def ceiling(self, count: int) -> list[float] | None:
+        return None  # proposing is free: ask
+
     def feedback(self, proposal: Proposal, accepted: int) -> None:
         if self.confidence is not None and proposal.drafted:
             self.confidence.update(proposal.match, proposal.drafted, accepted)
 
 
 class GatedProposer:
-    """Per step, every candidate proposes and the verify takes the (candidate, length) with the most expected committed
-    tokens per unit of cost (``VerifyCost.best_length``), padded to the cheapest width: one candidate is a
-    confidence-gated drafter, a drafter and prompt lookup the hybrid. Every candidate proposes on every step, so
-    each keeps its own state (the drafter's cache) current whichever is taken."""
+    """Per step, the verify takes the (candidate, length) with the most expected committed tokens per unit of cost
+    (``VerifyCost.best_length``, the cost including every draft made that step), padded to the cheapest width: one
+    candidate is a confidence-gated drafter, a drafter and prompt lookup the hybrid. Candidates are asked cheapest
+    first, and a costly one only when the best proposal its ``ceiling`` allows beats the best so far after paying
+    for it: the drafter is not run on the steps where lookup's proposal is out of its reach. A candidate not asked
+    still observes every target forward, so its state (the drafter's cache) catches up when it is next asked."""
 
     def __init__(self, candidates: list[Proposer], cost: VerifyCost):
-        self.candidates, self.cost = candidates, cost
+        self.candidates, self.cost = sorted(candidates, key=lambda c: c.draft_cost), cost
         self.name = "+".join(c.name for c in candidates)
         self.needs_hidden_states = any(c.needs_hidden_states for c in candidates)
         self.draft_cost = sum(c.draft_cost for c in candidates)
@@ -209,23 +228,41 @@ class GatedProposer:
         for candidate in self.candidates:
             candidate.observe(hidden_states, count, start)
 
+    def _best(self, proposals: list[Proposal], count: int, spent: float) -> tuple[Proposal | None, int, float]:
+        best, best_length, best_gain = None, 0, 1.0 / (self.cost.relative[0] + spent)  # a plain step
+        for proposal in proposals:
+            length, gain = self.cost.best_length(proposal.accept[:count], spent)
+            if gain > best_gain:
+                best, best_length, best_gain = proposal, min(length, count), gain
+        return best, best_length, best_gain
+
     def propose(self, tokens: list[int], count: int) -> Proposal:
-        best, best_gain, best_length = None, -1.0, 0
+        proposals, consulted, spent = [], [], 0.0
         for candidate in self.candidates:
+            ceiling = candidate.ceiling(count)
+            if ceiling is not None:
+                reach = self.cost.best_length(ceiling[:count], spent + candidate.draft_cost)[1]
+                if reach <= self._best(proposals, count, spent)[2]:
+                    continue
             proposal = candidate.propose(tokens, count)
             if proposal.accept is None:
                 raise ValueError(f"a gated proposer needs confidences, and {candidate.name!r} gives none (a drafter needs a calibration)")
-            length, gain = self.cost.best_length(proposal.accept[:count], self.draft_cost)
-            if gain > best_gain:
-                best, best_gain, best_length = proposal, gain, min(length, count)
-        if best_length == 0:
-            return Proposal([], accept=[], source="")
+            proposals.append(proposal)
+            consulted.append(candidate.name)
+            spent += candidate.draft_cost
+        best, best_length, _ = self._best(proposals, count, spent)
+        if best is None or best_length == 0:
+            return Proposal([], accept=[], source="", consulted=tuple(consulted))
         # Slots past the proposal's end (a short lookup match) are filled with its last token: free, since the padded
         # width costs no more, and lossless, since any token may be verified.
         filler = (best.tokens or tokens[-1:])[-1:]
         padded = (best.tokens + filler * best_length)[:best_length]
         accept = (best.accept + [0.0] * best_length)[:best_length]
-        return Proposal(padded, accept=accept, source=best.source, match=best.match, own=min(len(best.tokens), best_length))
+        own = min(len(best.tokens), best_length)
+        return Proposal(padded, accept=accept, source=best.source, match=best.match, own=own, consulted=tuple(consulted))
+
+    def ceiling(self, count: int) -> list[float] | None:
+        return None
 
     def feedback(self, proposal: Proposal, accepted: int) -> None:
         for candidate in self.candidates:
@@ -309,6 +346,7 @@ def speculative_generate(
             drafting = _clock(device)
             proposal = proposer.propose(tokens, verify_size - 1)
             stats.draft_seconds += _clock(device) - drafting
+            stats.consulted.update(proposal.consulted)
         draft = proposal.tokens[: verify_size - 1]
         block_ids = torch.tensor([[tokens[-1]] + draft], device=device)
         out = target.forward(

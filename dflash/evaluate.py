@@ -15,6 +15,7 @@ import dataclasses
 import gzip
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -25,9 +26,9 @@ from tqdm.auto import tqdm
 
 from dflash.config import HELDOUT, HUMANEVAL, EvalConfig, TrainConfig
 from dflash.data import Conversation, load_conversations, read_heldout
-from dflash.decode import DFlashProposer, GatedProposer, PromptLookup, PromptLookupProposer, speculative_generate
+from dflash.decode import DFlashProposer, GatedProposer, PromptLookup, PromptLookupProposer, draft_head, speculative_generate
 from dflash.errors import InputError
-from dflash.kernels import pack_linears
+from dflash.kernels import draft_linears, pack_linears
 from dflash.model import DFlashDrafter
 from dflash.policy import Calibration, LookupConfidence, VerifyCost, acceptance_lengths, measure_verify_cost
 from dflash.target import Target
@@ -50,6 +51,7 @@ SUMMARY_COLUMNS = [
     "tpot_hybrid_ms",
     "hybrid_lossless",
     "hybrid_lookup_share",
+    "hybrid_drafter_share",
     "verified",
     "val_tau",
     "val_tau_gated",
@@ -102,6 +104,7 @@ class PromptResult:
     hybrid_lossless: bool
     hybrid_lookup_steps: int  # verify steps that took prompt lookup's proposal
     hybrid_dflash_steps: int  # ... the drafter's
+    hybrid_drafter_calls: int  # verify steps on which the hybrid ran the drafter at all
 
 
 @dataclass
@@ -115,12 +118,13 @@ class Arms:
     lookup: PromptLookup
     cost: VerifyCost
     calibration: Calibration
+    head: Callable[[torch.Tensor], torch.Tensor]  # the drafter's logits (``draft_head``), built once
     draft_cost: float = 0.0  # the drafter's proposal, in target steps
     gate: bool = True  # False: the drafter arm verifies its whole block every step
     confidence: LookupConfidence = field(default_factory=LookupConfidence)
 
     def _drafter(self) -> DFlashProposer:
-        return DFlashProposer(self.target, self.drafter, self.calibration, self.draft_cost)
+        return DFlashProposer(self.target, self.drafter, self.calibration, self.draft_cost, self.head)
 
     def dflash(self):
         return GatedProposer([self._drafter()], self.cost) if self.gate else self.drafter
@@ -166,6 +170,7 @@ def evaluate_set(name: str, conversations: list[Conversation], arms: Arms, max_n
                 hybrid_lossless=torch.equal(baseline.tokens, hybrid.tokens),
                 hybrid_lookup_steps=hybrid.stats.choices["lookup"],
                 hybrid_dflash_steps=hybrid.stats.choices["dflash"],
+                hybrid_drafter_calls=hybrid.stats.consulted["dflash"],
             )
         )
     return rows
@@ -193,6 +198,7 @@ def summarize(name: str, rows: pd.DataFrame, block_size: int, device: str, predi
         "tpot_hybrid_ms": rows["tpot_hybrid_ms"].mean(),
         "hybrid_lossless": bool(rows["hybrid_lossless"].all()),
         "hybrid_lookup_share": rows["hybrid_lookup_steps"].sum() / hybrid_steps if hybrid_steps else 0.0,
+        "hybrid_drafter_share": rows["hybrid_drafter_calls"].sum() / hybrid_steps if hybrid_steps else 0.0,
         "verified": rows["verified"].mean(),
         "val_tau": predicted.get("tau", float("nan")),
         "val_tau_gated": predicted.get("tau_gated", float("nan")),
@@ -200,18 +206,17 @@ def summarize(name: str, rows: pd.DataFrame, block_size: int, device: str, predi
     }
 
 
-def calibrate(target: Target, drafter: DFlashDrafter, validation: pd.DataFrame, block_size: int, seed: int = 0):
+def calibrate(target: Target, drafter: DFlashDrafter, validation: pd.DataFrame, block_size: int, head, seed: int = 0):
     """The drafter at ``block_size`` on the validation samples, teacher-forced: the calibration of its confidence and
-    the blocks' outcomes (``dflash.step.BlockOutcomes``)."""
+    the blocks' outcomes (``dflash.step.BlockOutcomes``), through ``head`` (``draft_head``) as decoding drafts."""
     from dflash.features import OnlineFeatures
     from dflash.step import ValidationData, validation_outcomes
 
     config = dataclasses.replace(drafter.config, block_size=block_size)
     rows = OnlineFeatures(target, validation, config.target_layer_ids).rows(list(range(len(validation))))
-    head = target.lm_head.weight if drafter.draft_vocab is None else drafter.draft_vocab.head(target.lm_head.weight)
     cfg = TrainConfig(precision="fp32", max_anchors=512)  # every anchor of a sample: validation samples are short
     data = ValidationData(validation, rows, drafter.draft_vocab, seed)
-    outcomes = validation_outcomes(drafter, target, head.to(drafter.fc.weight.dtype), data, config, cfg)
+    outcomes = validation_outcomes(drafter, target, head, data, config, cfg)
     return Calibration.fit(outcomes.confidence, outcomes.correct, outcomes.counted), outcomes
 
 
@@ -227,29 +232,36 @@ def predicted_tau(outcomes, calibration: Calibration, cost: VerifyCost | None, d
 
 
 @torch.no_grad()
-def measure_draft_cost(target: Target, drafter: DFlashDrafter, cost: VerifyCost, block_size: int, context: int = 256, repeats: int = 7) -> float:
-    """One proposal of the drafter after ``context`` tokens, as decoding makes it (one new position in its cache, then
-    a block of ``block_size``), in target steps (c(1) from ``cost``)."""
+def measure_draft_ms(target: Target, drafter: DFlashDrafter, head, block_size: int, context: int = 256, repeats: int = 7, after_verify: bool = True) -> float:
+    """Milliseconds of one proposal of the drafter after ``context`` tokens, as decoding makes it: right after a
+    target verify of ``block_size`` tokens (which evicts the drafter's weights from the CPU's caches; with
+    ``after_verify=False`` proposals follow each other, as timed alone), one new position into its cache, then a
+    block of ``block_size``."""
     import statistics
     import time
 
     from transformers import DynamicCache
 
     ids = torch.randint(0, target.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(target.device)
-    out = target.forward(ids, DynamicCache(config=target.config), output_hidden_states=True, logits_to_keep=1)
-    proposer = DFlashProposer(target, drafter)
+    target_cache = DynamicCache(config=target.config)
+    out = target.forward(ids, target_cache, output_hidden_states=True, logits_to_keep=1)
+    proposer = DFlashProposer(target, drafter, head=head)
     proposer.observe(out.hidden_states, context, 0)
     tokens = ids[0].tolist() + [int(out.logits[0, -1].argmax())]  # as after a prefill: the first new token not yet processed
     proposer.propose(tokens, block_size - 1)  # the prompt enters the drafter's cache
     last = tuple(h[:, -1:] for h in out.hidden_states)  # stands in for the features of a verified position
+    verify = ids[:, -block_size:]
     times = []
     for _ in range(repeats):
+        if after_verify:
+            target.forward(verify, target_cache, position_ids=torch.arange(context, context + block_size, device=target.device)[None])
+            target_cache.crop(-block_size)
         proposer.observe(last, 1, len(tokens) - 1)
         tokens.append(tokens[-1])
         begin = time.perf_counter()
         proposer.propose(tokens, block_size - 1)
         times.append(time.perf_counter() - begin)
-    return statistics.median(times) * 1e3 / cost.step_ms if cost.step_ms else 0.0
+    return statistics.median(times) * 1e3
 
 
 def run_evaluation(
@@ -260,26 +272,28 @@ def run_evaluation(
     # Prompt lookup verifies at most as many tokens as the drafter does: both pay the same verify cost per step.
     lookup = PromptLookup(num_tokens=cfg.prompt_lookup_tokens or block_size - 1, max_ngram=cfg.prompt_lookup_ngram)
     out_dir.mkdir(parents=True, exist_ok=True)
-    packed = pack_linears(target.model, cfg.linear_kernel) + pack_linears(drafter, cfg.linear_kernel)
-    log.info("linear kernel: %s", f"oneDNN packed ({packed} linears)" if packed else "torch's default")
+    packed = pack_linears(target.model, cfg.linear_kernel)
+    drafting = draft_linears(drafter, cfg.draft_kernel)
+    head = draft_head(target, drafter)
+    log.info("target's linears: %s; the drafter's: %s", f"oneDNN packed ({packed})" if packed else "torch's default", drafting)
     widest = max(block_size, lookup.block_size)
     cost = VerifyCost(tuple(cfg.verify_cost)) if cfg.verify_cost else measure_verify_cost(target, widest)
     if cost.max_width < widest:
         raise InputError(f"eval.verify_cost has {cost.max_width} widths, but the arms verify up to {widest}: give c(k)/c(1) for k = 1..{widest}")
-    draft_cost = measure_draft_cost(target, drafter, cost, block_size) if cost.step_ms else 0.0
+    draft_cost = measure_draft_ms(target, drafter, head, block_size) / cost.step_ms if cost.step_ms else 0.0
     log.info("verify cost c(k)/c(1): %s; a proposal costs %.3f target steps", " ".join(f"{c:.2f}" for c in cost.relative), draft_cost)
     if validation is None or not len(validation):
         raise InputError(
             "the evaluation calibrates the drafter's confidence on the validation samples, and prepare_data made none: "
             "raise data.validation, or data.heldout_fraction (validation samples come from the held-out prompts evaluation does not use)"
         )
-    calibration, outcomes = calibrate(target, drafter, validation, block_size)
+    calibration, outcomes = calibrate(target, drafter, validation, block_size, head)
     calibration.save(out_dir / "calibration.json")
     predicted = predicted_tau(outcomes, calibration, cost, draft_cost)
     (out_dir / "verify_cost.json").write_text(
-        json.dumps(cost.to_dict() | {"draft": draft_cost, "linear_kernel": "packed" if packed else "default"}, indent=2) + "\n"
+        json.dumps(cost.to_dict() | {"draft": draft_cost, "linear_kernel": "packed" if packed else "default", "draft_kernel": drafting}, indent=2) + "\n"
     )
-    arms = Arms(target, drafter, block_size, lookup, cost, calibration, draft_cost, cfg.gate)
+    arms = Arms(target, drafter, block_size, lookup, cost, calibration, head, draft_cost, cfg.gate)
     summary = []
     for eval_set in cfg.sets:
         conversations = eval_conversations(eval_set.source, eval_set.split, eval_set.limit, heldout_path)

@@ -1,4 +1,4 @@
-"""The target's linears on oneDNN's packed-weight kernel, for decoding on a CPU.
+"""The linears of decoding on a CPU: the target's on oneDNN's packed-weight kernel, the drafter's in int8.
 
 torch's CPU ``linear`` runs a BLAS GEMM whose cost, for the few rows a verify
 has, grows with the row count far faster than the work does (on some CPUs a
@@ -12,12 +12,21 @@ k single steps would, which is what keeps speculative decoding lossless.
 ``pack_linears`` swaps the modules only where that invariance is checked to
 hold on the machine at hand; elsewhere (CUDA, no oneDNN, a build that rounds
 per row count) the model is left as it is.
+
+The draft side needs no exactness (whatever it proposes, the target decides),
+only speed. Each proposal streams the drafter's weights and its head from
+memory after a target forward has evicted them from cache, so its cost is
+their size: ``quantize_linears`` stores them as int8 per output channel and
+runs fbgemm's dynamic-quantization linear, a quarter of the bytes. torch has
+deprecated its quantized tensors (pytorch#184982); where they are gone, or
+on CUDA, the drafter falls back to the target's kernel.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import warnings
 
 import torch
 from torch import nn
@@ -62,33 +71,106 @@ def packed_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def projection(weight: torch.Tensor, packed: bool):
-    """``x -> x @ weight.t()`` for a few rows of ``x``: on oneDNN's packed kernel when ``packed`` (and available here)."""
-    if packed and packed_kernel_available(weight.device, weight.dtype):
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-        linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        return PackedLinear(linear)
-    return lambda x: x @ weight.t()
+def int8_linear(linear: nn.Linear) -> nn.Module:
+    """``linear`` as fbgemm's dynamically quantized linear: int8 weights with a scale per output channel."""
+    weight = linear.weight.detach().float()
+    scales = (weight.abs().amax(1) / 127).clamp(min=1e-12).double()
+    with warnings.catch_warnings():  # the deprecation of quantized tensors, which the module docstring states
+        warnings.simplefilter("ignore", UserWarning)
+        qweight = torch.quantize_per_channel(weight, scales, torch.zeros_like(scales, dtype=torch.long), 0, torch.qint8)
+    module = torch.ao.nn.quantized.dynamic.Linear(linear.in_features, linear.out_features, bias_=linear.bias is not None, dtype=torch.qint8)
+    module.set_weight_bias(qweight, None if linear.bias is None else linear.bias.detach().float())
+    return module
 
 
-def pack_linears(model: nn.Module, kernel: str = "auto") -> int:
-    """Swap every ``nn.Linear`` of ``model`` (frozen, for inference) for a ``PackedLinear``; the number swapped.
+@functools.cache
+def int8_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether fbgemm's dynamically quantized linear runs here (fp32 on a CPU) and stays close to the float result."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return False
+    try:
+        linear = nn.Linear(96, 80, bias=False)
+        x = torch.randn(4, 96, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            exact = linear(x)
+            return bool((int8_linear(linear)(x) - exact).abs().max() <= 0.05 * exact.abs().max())
+    except (RuntimeError, AttributeError) as err:  # a build without fbgemm, or quantized tensors removed
+        log.info("int8 dynamic-quantization linear unavailable: %s", err)
+        return False
 
-    ``kernel``: ``auto`` packs where ``packed_kernel_available``, ``packed`` insists (a ``RuntimeError`` where
-    it is unavailable), ``default`` leaves the model alone.
-    """
+
+def kernel_available(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
+    if kernel == "packed":
+        return packed_kernel_available(device, dtype)
+    return kernel == "default" or int8_kernel_available(device, dtype)
+
+
+def resolve_kernel(kernel: str, device: torch.device, dtype: torch.dtype, choices: tuple[str, ...]) -> str:
+    """The kernel of ``choices`` a setting names: ``auto`` is the first of ``choices`` available here (``default``
+    last); a named one is insisted on (a ``RuntimeError`` where it does not run)."""
+    if kernel == "auto":
+        return next(k for k in (*choices, "default") if kernel_available(k, device, dtype))
+    if kernel not in (*choices, "default"):
+        raise ValueError(f"unknown linear kernel {kernel!r}: expected auto or one of {', '.join((*choices, 'default'))}")
+    if not kernel_available(kernel, device, dtype):
+        raise RuntimeError(f"the {kernel} linear kernel is unavailable here (or not exact where it must be) for {dtype} on {device}")
+    return kernel
+
+
+def kernel_of(module: nn.Module) -> str:
+    """The kernel the first linear of ``module`` (itself included) runs on."""
+    for child in module.modules():
+        if isinstance(child, PackedLinear):
+            return "packed"
+        if isinstance(child, torch.ao.nn.quantized.dynamic.Linear):
+            return "int8"
+    return "default"
+
+
+def projection(weight: torch.Tensor, kernel: str = "default"):
+    """``x -> x @ weight.t()`` (``x`` cast to the weight's dtype) on ``kernel``, for a frozen ``weight``."""
+    if kernel == "default":
+        return lambda x: x.to(weight.dtype) @ weight.t()
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    module = PackedLinear(linear) if kernel == "packed" else int8_linear(linear)
+    return lambda x: module(x.to(weight.dtype))
+
+
+def swap_linears(model: nn.Module, kernel: str) -> int:
+    """Swap every ``nn.Linear`` of ``model`` (frozen, for inference) for ``kernel``'s module; the number swapped."""
     if kernel == "default":
         return 0
-    parameter = next(model.parameters())
-    if not packed_kernel_available(parameter.device, parameter.dtype):
-        if kernel == "packed":
-            raise RuntimeError(f"oneDNN's packed linear is unavailable or not row-invariant for {parameter.dtype} on {parameter.device}")
-        return 0
+    make = PackedLinear if kernel == "packed" else int8_linear
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, make(child))
                 swapped += 1
-    log.info("%d linears on oneDNN's packed kernel", swapped)
+    log.info("%d linears on the %s kernel", swapped, kernel)
     return swapped
+
+
+def pack_linears(model: nn.Module, kernel: str = "auto") -> int:
+    """The target's linears on oneDNN's packed kernel (exact at every row count); the number swapped.
+
+    ``kernel``: ``auto`` packs where ``packed_kernel_available``, ``packed`` insists (a ``RuntimeError`` where
+    it is unavailable), ``default`` leaves the model alone.
+    """
+    parameter = next(model.parameters())
+    return swap_linears(model, resolve_kernel(kernel, parameter.device, parameter.dtype, ("packed",)))
+
+
+def draft_linears(drafter: nn.Module, kernel: str = "auto") -> str:
+    """A drafter's linears on the fastest kernel here, exact or not (``auto``: int8, else packed, else default), or
+    the one named; the kernel chosen, which its head's ``projection`` shares (``kernel_of(drafter.layers)``).
+
+    In int8, ``fc`` stays on the float kernel: it reads the target's hidden states, whose massive activations (a few
+    channels thousands of times the median) an int8 activation scale per tensor cannot represent."""
+    parameter = next(drafter.parameters())
+    chosen = resolve_kernel(kernel, parameter.device, parameter.dtype, ("int8", "packed"))
+    if chosen == "int8":
+        swap_linears(drafter.layers, "int8")
+    swap_linears(drafter, resolve_kernel("auto", parameter.device, parameter.dtype, ("packed",)) if chosen == "int8" else chosen)
+    return chosen

@@ -367,6 +367,11 @@ class DFlashDrafter(nn.Module):
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The drafter's float dtype: its norms', which stay float whatever kernel its linears run on."""
+        return self.hidden_norm.weight.dtype
+
     def forward(
         self,
         context_features: torch.Tensor,
@@ -383,7 +388,7 @@ class DFlashDrafter(nn.Module):
         context_positions / block_positions: absolute positions, [batch, S] and [batch, Q].
         mask: the training mask; ``None`` lets every block token see every key (one block at inference).
         """
-        dtype = self.fc.weight.dtype
+        dtype = self.dtype
         context = self.hidden_norm(self.fc(context_features.to(dtype)))
         block_embeddings = block_embeddings.to(dtype)
         block_rope = self.rotary(block_positions, dtype)
@@ -413,7 +418,7 @@ class DFlashDrafter(nn.Module):
             discard(directory / VOCAB_FILE)
         discard(directory / LEGACY_VOCAB_FILE)  # engines that load every *.safetensors file reject it
         # The config states the dtype the weights are stored in, which loaders honour.
-        stored = dataclasses.replace(self.config, dtype=str(self.fc.weight.dtype).removeprefix("torch."))
+        stored = dataclasses.replace(self.config, dtype=str(self.dtype).removeprefix("torch."))
         atomic_write_text(directory / CONFIG_NAME, json.dumps(stored.to_reference_dict(), indent=2) + "\n")
         return directory
 

@@ -134,6 +134,10 @@ class Calibration:
             out.append(next((r for u, r in zip(upper, rates) if p <= u), rates[-1]))
         return out
 
+    def ceiling(self, count: int) -> list[float]:
+        """The highest acceptance each of positions 1..``count`` can be given (the rates never fall with the probability)."""
+        return [rates[-1] if rates else 0.0 for rates in self.rates[:count]] + [0.0] * max(0, count - self.positions)
+
     @classmethod
     def fit(cls, probs: torch.Tensor, correct: torch.Tensor, counted: torch.Tensor, bins: int = 10) -> Calibration:
         """From blocks ``[N, P]``: the drafter's top probability at positions 1..P, whether it was the target's token,

@@ -19,6 +19,7 @@ from dflash.attention import build_training_mask
 from dflash.batch import Batch, idle_batch, make_batch, rank_slice
 from dflash.config import DrafterConfig, TrainConfig
 from dflash.distributed import Layout, all_reduce_sum
+from dflash.kernels import projection
 from dflash.model import DFlashConfig, DFlashDrafter
 from dflash.objective import FrozenHeadCrossEntropy, position_accuracy
 from dflash.policy import acceptance_lengths
@@ -158,8 +159,9 @@ class BlockOutcomes:
 
 
 @torch.no_grad()
-def block_outcomes(drafter, target: Target, head: torch.Tensor, batch: Batch, cfg: TrainConfig) -> BlockOutcomes:
-    """What the drafter drafts on a batch's blocks, every labelled position compared with the target's token."""
+def block_outcomes(drafter, target: Target, project, batch: Batch, cfg: TrainConfig) -> BlockOutcomes:
+    """What the drafter drafts on a batch's blocks, every labelled position compared with the target's token;
+    ``project`` maps its hidden states to logits (``dflash.kernels.projection`` of the frozen head)."""
     dtype = autocast_dtype(cfg.precision, target.device)
     with torch.autocast(target.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
         hidden = drafter_hidden(drafter, target, batch, cfg.attention_backend)
@@ -169,7 +171,7 @@ def block_outcomes(drafter, target: Target, head: torch.Tensor, batch: Batch, cf
     counted = batch.blocks.weights.view(-1, block_size)[:, 1:].to(target.device) > 0
     top, predicted = [], []
     for chunk in hidden.split(max(1, cfg.head_chunk // block_size)):
-        probs = torch.softmax((chunk.to(head.dtype) @ head.t()).float(), dim=-1)
+        probs = torch.softmax(project(chunk).float(), dim=-1)
         best = probs.max(-1)
         top.append(best.values)
         predicted.append(best.indices)
@@ -191,12 +193,12 @@ class ValidationData:
         return make_batch(self.samples, indices, [self.rows[i] for i in indices], config, cfg, self.seed, 0, self.vocab)
 
 
-def validation_outcomes(drafter, target: Target, head: torch.Tensor, data: ValidationData, config: DFlashConfig, cfg: TrainConfig) -> BlockOutcomes:
+def validation_outcomes(drafter, target: Target, project, data: ValidationData, config: DFlashConfig, cfg: TrainConfig) -> BlockOutcomes:
     """``block_outcomes`` over all of ``data`` in this process, every position weighted."""
     cfg = dataclasses.replace(cfg, sample_loss_positions=False)
     count = len(data.samples)
     batches = (data.batch(list(range(begin, min(count, begin + cfg.batch_size))), config, cfg) for begin in range(0, count, cfg.batch_size))
-    return BlockOutcomes.cat([block_outcomes(drafter, target, head, batch, cfg) for batch in batches])
+    return BlockOutcomes.cat([block_outcomes(drafter, target, project, batch, cfg) for batch in batches])
 
 
 @torch.no_grad()
@@ -212,7 +214,7 @@ def validation_metrics(
     for begin in range(0, count, span):
         share = rank_slice(list(range(begin, min(count, begin + span))), layout.rank, layout.drafter_world)
         batch = data.batch(share, config, cfg) if share else idle_batch(data.samples, 0, config.feature_width, config, cfg)
-        outcome = block_outcomes(drafter, target, head, batch, cfg)
+        outcome = block_outcomes(drafter, target, projection(head), batch, cfg)
         if share:
             tau_sum, blocks = outcome.tau_sums()
             sums[1:block] += (outcome.correct & outcome.counted).sum(0).double()

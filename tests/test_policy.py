@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import build_drafter, build_target, qwen3_config, random_prompt
 from test_decode import constant_drafter, constant_target, greedy
+from transformers import DynamicCache
 
-from dflash.decode import DFlashProposer, GatedProposer, PromptLookup, PromptLookupProposer, Proposal, speculative_generate
-from dflash.kernels import PackedLinear, pack_linears, packed_kernel_available
+from dflash.decode import DFlashProposer, GatedProposer, PromptLookup, PromptLookupProposer, Proposal, draft_head, speculative_generate
+from dflash.kernels import PackedLinear, draft_linears, int8_kernel_available, kernel_of, pack_linears, packed_kernel_available
 from dflash.policy import Calibration, LookupConfidence, VerifyCost, acceptance_lengths, expected_tokens
 from dflash.step import BlockOutcomes
 
@@ -116,8 +119,9 @@ def test_gated_drafter_without_confidence_decodes_step_by_step_and_with_full_con
     cost = VerifyCost((1.0,) + (1.5,) * 7)
     silent = speculative_generate(target, GatedProposer([DFlashProposer(target, drafter, _fixed(0.0))], cost), ids, 17)
     assert silent.stats.verified == [0] * 16 and silent.stats.acceptance_lengths == [1] * 16
+    assert silent.stats.consulted["dflash"] == 0  # a drafter that can never pay for itself is not run
     sure = speculative_generate(target, GatedProposer([DFlashProposer(target, drafter, _fixed(1.0))], cost), ids, 17)
-    assert sure.stats.verified == [7, 7] and sure.stats.acceptance_lengths == [8, 8]
+    assert sure.stats.verified == [7, 7] and sure.stats.acceptance_lengths == [8, 8] and sure.stats.consulted["dflash"] == 2
     assert silent.tokens.tolist() == sure.tokens.tolist() == greedy(target, ids, 17)
     # Every verified position after an accepted prefix is recorded with its prediction.
     assert sure.stats.predictions[:7] == [(k, 1.0, True) for k in range(1, 8)]
@@ -163,12 +167,36 @@ def test_hybrid_keeps_the_drafter_cache_current_when_lookup_is_taken():
     assert inner.cache.length + (0 if inner.context is None else inner.context.shape[1]) == 9 + len(gen.tokens) - 1
 
 
+def test_hybrid_runs_the_drafter_only_where_it_can_beat_lookup_and_its_cache_catches_up():
+    """Lookup, proven right on every match, leaves a drafter whose confidence is at most 0.6 out of reach: the drafter
+    runs only on steps without a match, and when it does, it proposes what a drafter run on every step would."""
+    target = _vocab8_target()
+    drafter = build_drafter(target.config, seed=3, init_std=0.2, mask_token_id=7)
+    confidence = LookupConfidence()
+    for k in range(1, 5):
+        confidence.tried[1, k] = confidence.accepted[1, k] = 50  # lookup's tokens after a 1-token match: 51/52
+    inner = DFlashProposer(target, drafter, _fixed(0.6))
+    hybrid = GatedProposer([PromptLookupProposer(PromptLookup(4), confidence), inner], VerifyCost((1.0, 1.05, 1.1, 1.15, 1.2)))
+    inner.draft_cost = hybrid.draft_cost = 0.05
+    ids = torch.randint(1, 7, (1, 9), generator=torch.Generator().manual_seed(4))
+    gen = speculative_generate(target, hybrid, ids, 20)
+    steps = len(gen.stats.acceptance_lengths)
+    assert gen.tokens.tolist() == greedy(target, ids, 20)
+    assert 0 < gen.stats.consulted["dflash"] < steps and gen.stats.consulted["lookup"] == steps
+    # The skipped drafter's next proposal equals that of one that saw the same context in a single prefill.
+    tokens = ids[0].tolist() + gen.tokens.tolist()
+    fresh = DFlashProposer(target, drafter)
+    out = target.forward(torch.tensor([tokens[:-1]]), DynamicCache(config=target.config), output_hidden_states=True)
+    fresh.observe(out.hidden_states, len(tokens) - 1, 0)
+    assert inner.propose(tokens, 4).tokens == fresh.propose(tokens, 4).tokens
+
+
 def test_gated_proposer_pads_a_short_lookup_to_the_cheapest_width():
     cost = VerifyCost((1.0, 1.7, 2.3, 1.4))
     lookup = PromptLookupProposer(PromptLookup(3), LookupConfidence())
     gated = GatedProposer([lookup], cost)
     proposal = gated.propose([9, 7, 7], 3)  # the earlier "7" was followed by one 7 only: padded with 7 to width 4
-    assert proposal == Proposal([7, 7, 7], accept=[0.5, 0.0, 0.0], source="lookup", match=1, own=1)
+    assert proposal == Proposal([7, 7, 7], accept=[0.5, 0.0, 0.0], source="lookup", match=1, own=1, consulted=("lookup",))
 
 
 def test_a_gated_drafter_needs_a_calibration(qwen3_target, qwen3_drafter):
@@ -206,6 +234,34 @@ def test_a_packed_target_decodes_losslessly_and_keeps_its_tied_head():
         assert speculative_generate(target, drafter, ids, 21, block_size=block_size).tokens.tolist() == expected
 
 
+needs_int8 = pytest.mark.skipif(not int8_kernel_available(torch.device("cpu"), torch.float32), reason="no int8 dynamic-quantization linear here")
+
+
+@needs_int8
+def test_an_int8_drafter_stays_close_to_its_float_self_and_decoding_stays_lossless():
+    target = build_target(qwen3_config(), seed=5)
+    drafter = build_drafter(target.config, seed=3, init_std=0.2)
+    # A massive activation on a channel the drafter ignores, as target hidden states have: an int8 activation scale
+    # for the whole tensor would round every other channel to zero, so fc stays float.
+    features = torch.randn(1, 6, drafter.config.feature_width)
+    features[..., 7] = 3e4
+    with torch.no_grad():
+        drafter.fc.weight[:, 7] = 0.0
+    quantized = copy.deepcopy(drafter)
+    assert draft_linears(quantized, "auto") == "int8" and kernel_of(quantized.layers) == "int8"
+    assert kernel_of(quantized.fc) == ("packed" if packed_kernel_available(torch.device("cpu"), torch.float32) else "default")
+    block = target.embed(torch.tensor([[3] + [drafter.mask_token_id] * 3]))
+    with torch.no_grad():
+        exact = drafter(features, block, torch.arange(6)[None], torch.arange(6, 10)[None])
+        approx = quantized(features, block, torch.arange(6)[None], torch.arange(6, 10)[None])
+        assert (approx - exact).norm() <= 0.1 * exact.norm()
+        logits = exact @ target.lm_head.weight.t()
+        assert (draft_head(target, quantized)(exact) - logits).norm() <= 0.02 * logits.norm()
+    ids = random_prompt(11, 11)
+    assert speculative_generate(target, quantized, ids, 21, block_size=4).tokens.tolist() == greedy(target, ids, 21)
+    assert quantized.dtype == torch.float32  # the norms keep the drafter's float dtype
+
+
 def test_pack_linears_leaves_the_model_alone_where_asked_or_unavailable():
     target = build_target(qwen3_config(), seed=5)
     assert pack_linears(target.model, "default") == 0
@@ -220,16 +276,17 @@ def test_the_evaluation_measures_costs_and_calibrates_on_validation_samples(qwen
     calibration fitted on validation samples (the oracle-free drafter: some positions counted, rates in [0, 1])."""
     import pandas as pd
 
-    from dflash.evaluate import calibrate, measure_draft_cost, predicted_tau
+    from dflash.decode import draft_head
+    from dflash.evaluate import calibrate, measure_draft_ms, predicted_tau
     from dflash.policy import measure_verify_cost
 
     drafter = build_drafter(qwen3_target.config, seed=3, init_std=0.2, block_size=4)
     cost = measure_verify_cost(qwen3_target, 4, context=32, repeats=2)
     assert cost.relative[0] == 1.0 and len(cost.relative) == 4 and cost.step_ms > 0
-    assert measure_draft_cost(qwen3_target, drafter, cost, 4, context=32, repeats=2) > 0
+    assert measure_draft_ms(qwen3_target, drafter, draft_head(qwen3_target, drafter), 4, context=32, repeats=2) > 0
     ids = [random_prompt(40, seed)[0].tolist() for seed in range(3)]
     validation = pd.DataFrame({"prompt_id": ["a", "b", "c"], "input_ids": ids, "loss_mask": [[0] * 8 + [1] * 32] * 3})
-    calibration, outcomes = calibrate(qwen3_target, drafter, validation, block_size=4)
+    calibration, outcomes = calibrate(qwen3_target, drafter, validation, 4, draft_head(qwen3_target, drafter))
     assert calibration.positions == 3 and sum(calibration.counts[0]) == int(outcomes.counted[:, 0].sum()) > 0
     assert all(0.0 <= r <= 1.0 for rates in calibration.rates for r in rates)
     predicted = predicted_tau(outcomes, calibration, cost, 0.0)

@@ -64,6 +64,7 @@ SUMMARY_COLUMNS = [
     "tpot_hybrid_ms",
     "hybrid_lossless",
     "hybrid_lookup_share",
+    "hybrid_drafter_share",
     "verified",
     "val_tau",
     "val_tau_gated",
