@@ -9,9 +9,12 @@ drafter ranks (``online``, split). Each is a callable ``(step, indices) -> rows`
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
+import os
+import shutil
 import time
 from collections import deque
 from contextlib import ExitStack
@@ -26,8 +29,11 @@ from tqdm.auto import tqdm
 from dflash import distributed
 from dflash.batch import Schedule, TargetRow, pad_rows
 from dflash.distributed import Incoming, Layout, all_reduce_sum, routes, send_rows
+from dflash.errors import InputError
 from dflash.io import atomic_path, atomic_write_text
 from dflash.target import Target
+
+FP16_MAX = float(np.finfo(np.float16).max)
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +92,30 @@ def row_fields(width: int, top_k: int) -> dict[str, tuple[np.dtype, tuple[int, .
     if top_k:
         fields |= {"top_ids": (np.int32, (top_k,)), "top_probs": (np.float16, (top_k,))}
     return fields
+
+
+def reserve(path: Path) -> None:
+    """Allocate every block of a memory-mapped file now. Its pages are written later through the map, and a page the
+    disk cannot hold then raises SIGBUS and kills the process; allocated up front, a full disk is an error here."""
+    with open(path, "r+b") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+        except OSError as err:
+            if err.errno == errno.ENOSPC:
+                raise InputError(f"no space left for {path}: free disk space, or set train.hidden_states: online") from err
+            if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem that cannot allocate ahead: the free-space check stands
+                raise
+
+
+def check_fp16_range(features: torch.Tensor) -> None:
+    """The cache stores features in fp16, whose largest finite value is 65504; a target whose hidden states exceed it
+    (massive activations grow with model size) would be stored as infinities."""
+    largest = float(features.abs().max()) if features.numel() else 0.0
+    if not largest <= FP16_MAX:
+        raise InputError(
+            f"the target's hidden states reach {largest:.4g}, beyond fp16's range ({FP16_MAX:g}) in which the hidden-state cache stores them: "
+            "set train.hidden_states: online (the drafter then reads them as the target computes them)"
+        )
 
 
 class HiddenStateCache:
@@ -186,17 +216,27 @@ class HiddenStateCache:
         ends = np.cumsum([lengths[i] for i in members])
         row_of = {i: int(end) - lengths[i] for i, end in zip(members, ends)}
         tokens = int(ends[-1])
+        needed = tokens * sum(np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64)) for dtype, shape in fields.values())
+        free = shutil.disk_usage(directory).free
+        if needed > free:
+            raise InputError(
+                f"the hidden-state cache's shard {shard} needs {needed / 1e9:.2f} GB under {directory}, where {free / 1e9:.2f} GB are free: "
+                "free disk space, or set train.hidden_states: online (the target computes them at every step instead)"
+            )
         with ExitStack() as stack:
             paths = {field: stack.enter_context(atomic_path(directory / f"{field}-{shard:03d}.npy")) for field in fields}
             stores = {
                 field: np.lib.format.open_memmap(paths[field], mode="w+", dtype=dtype, shape=(tokens, *shape)) for field, (dtype, shape) in fields.items()
             }
+            for path in paths.values():
+                reserve(path)
             bar = tqdm(total=tokens, desc=f"caching target hidden states (shard {shard})", unit="tok", unit_scale=True, disable=shard != 0)
             with bar:
                 for group in length_groups([lengths[i] for i in members], token_budget):
                     indices = [members[g] for g in group]
                     rows = features.rows(indices, token_budget)
                     for i, row in zip(indices, rows):
+                        check_fp16_range(row.features)
                         for field, store in stores.items():
                             store[row_of[i] : row_of[i] + lengths[i]] = getattr(row, field).float().cpu().numpy()
                     bar.update(sum(lengths[i] for i in indices))
