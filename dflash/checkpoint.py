@@ -113,11 +113,14 @@ def resume_point(directory: Path, layout: Layout) -> tuple[int, Path | None]:
     return json.loads((Path(latest) / "meta.json").read_text())["step"], Path(latest)
 
 
-def save_drafter(drafter: torch.nn.Module, config: DFlashConfig, out_dir: Path, layout: Layout, vocab: DraftVocab | None = None) -> None:
-    """The trained drafter in the reference format, from the full weights (gathered when FSDP shards them), with its draft vocabulary."""
+def save_drafter(
+    drafter: torch.nn.Module, config: DFlashConfig, out_dir: Path, layout: Layout, vocab: DraftVocab | None = None, lm_head_weight: torch.Tensor | None = None
+) -> None:
+    """The trained drafter in the reference format, from the full weights (gathered when FSDP shards them), with its
+    draft vocabulary and its rows of the target's ``lm_head_weight``."""
     state = get_model_state_dict(drafter, options=_FULL)
     if layout.is_main:
         plain = DFlashDrafter(config)
         plain.load_state_dict(state)
         plain.draft_vocab = vocab
-        plain.save_pretrained(out_dir)
+        plain.save_pretrained(out_dir, lm_head_weight)

@@ -28,7 +28,7 @@ from dflash.config import MIN_BLOCK_SIZE
 from dflash.errors import InputError, MissingInputError
 from dflash.io import atomic_path, atomic_write_text, discard
 from dflash.vocab import FILE_NAME as VOCAB_FILE
-from dflash.vocab import LEGACY_FILE_NAME as LEGACY_VOCAB_FILE
+from dflash.vocab import OLDER_FILE_NAMES as OLDER_VOCAB_FILES
 from dflash.vocab import DraftVocab
 
 CONFIG_NAME = "config.json"
@@ -404,22 +404,28 @@ class DFlashDrafter(nn.Module):
 
     # -- checkpoint format -------------------------------------------------------------------
 
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Write ``config.json`` and ``model.safetensors`` in the reference format, and the draft vocabulary
-        if the drafter has one (``dflash.vocab``), atomically per file."""
+    def save_pretrained(self, directory: str | Path, lm_head_weight: torch.Tensor | None = None) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` in the reference format, and the draft vocabulary if the
+        drafter has one, with its rows of ``lm_head_weight`` (the target's LM head) as vLLM reads them
+        (``dflash.vocab``), atomically per file."""
+        if self.draft_vocab is not None and lm_head_weight is None:
+            raise ValueError("a drafter with a draft vocabulary is saved with its head rows: pass the target's lm_head_weight")
         directory = Path(directory)
         state = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
         with atomic_path(directory / WEIGHTS_NAME) as staging:
             save_file(state, str(staging), metadata={"format": "pt"})
         if self.draft_vocab is not None:
             with atomic_path(directory / VOCAB_FILE) as staging:
-                self.draft_vocab.save(staging)
+                self.draft_vocab.save(staging, lm_head_weight, self.dtype)
         else:
             discard(directory / VOCAB_FILE)
-        discard(directory / LEGACY_VOCAB_FILE)  # engines that load every *.safetensors file reject it
+        for older in OLDER_VOCAB_FILES:
+            discard(directory / older)
         # The config states the dtype the weights are stored in, which loaders honour.
-        stored = dataclasses.replace(self.config, dtype=str(self.dtype).removeprefix("torch."))
-        atomic_write_text(directory / CONFIG_NAME, json.dumps(stored.to_reference_dict(), indent=2) + "\n")
+        stored = dataclasses.replace(self.config, dtype=str(self.dtype).removeprefix("torch.")).to_reference_dict()
+        if self.draft_vocab is not None:
+            stored["draft_vocab_size"] = len(self.draft_vocab)
+        atomic_write_text(directory / CONFIG_NAME, json.dumps(stored, indent=2) + "\n")
         return directory
 
     @classmethod

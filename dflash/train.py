@@ -353,7 +353,7 @@ def _train(run: RunContext, batches: Batches, first: int, checkpoint: Path | Non
             if done % cfg.checkpoint_every == 0 and done < schedule.total:
                 save_checkpoint(run.paths.checkpoints, done, drafter, optimizer, scheduler, progress, layout)
     end = time.perf_counter()
-    save_drafter(drafter, run.config, run.paths.drafter, layout, run.vocab)
+    save_drafter(drafter, run.config, run.paths.drafter, layout, run.vocab, run.target.lm_head.weight)
     accuracy, tau = metrics.final_validation()
     return TrainResult(
         steps=schedule.total,

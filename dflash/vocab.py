@@ -6,11 +6,16 @@ a training step when the vocabulary is large and the drafter small. A draft
 vocabulary of the tokens the target writes most keeps only their rows of
 the frozen head (EAGLE-3's ``d2t``): drafting and training get cheaper, and
 a token outside it is never drafted (the target still writes it: decoding
-stays lossless). The drafter's checkpoint keeps it in a JSON file of its
-own, so that the weights stay in the reference format: serving engines load
-every ``*.safetensors`` file of a drafter's directory and reject a tensor they
-do not know (vLLM does), while a loader that does not know the JSON file
-drafts over the full vocabulary.
+stays lossless).
+
+The drafter's checkpoint keeps it in the form vLLM reads for DFlash and
+EAGLE-3 drafters: ``draft_head.safetensors`` beside the weights, holding
+``lm_head.weight`` (the head rows, ``[V', H]``) and ``d2t`` (per draft id, the
+offset to its target id), with ``draft_vocab_size`` in ``config.json``. vLLM
+loads every ``*.safetensors`` file of the directory, so it finds them; the
+reference loader (the authors' package) reads ``model.safetensors`` only,
+so the weights stay in the reference format and it drafts over the whole
+vocabulary.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from dflash.errors import InputError
 
-FILE_NAME = "draft_vocab.json"
-LEGACY_FILE_NAME = "draft_vocab.safetensors"  # drafters saved before the JSON file: read, never written
+FILE_NAME = "draft_head.safetensors"
+# Earlier forms, read and never written: a JSON file of token ids, and a safetensors file whose tensor vLLM rejects.
+OLDER_FILE_NAMES = ("draft_vocab.json", "draft_vocab.safetensors")
 
 
 @dataclass(frozen=True)
@@ -62,20 +69,28 @@ class DraftVocab:
         """The rows of the target's LM head the drafter projects onto."""
         return lm_head_weight[self.token_ids.to(lm_head_weight.device)]
 
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps({"vocab_size": self.index.numel(), "token_ids": self.token_ids.tolist()}) + "\n")
+    def save(self, path: Path, lm_head_weight: torch.Tensor, dtype: torch.dtype) -> None:
+        """vLLM's form: the head rows of ``lm_head_weight`` (the target's) in ``dtype``, and ``d2t``."""
+        offsets = self.token_ids - torch.arange(len(self))
+        rows = self.head(lm_head_weight).detach().to(dtype=dtype, device="cpu").contiguous()
+        save_file({"lm_head.weight": rows, "d2t": offsets}, str(path), metadata={"format": "pt", "vocab_size": str(self.index.numel())})
 
     @classmethod
     def load(cls, directory: Path) -> DraftVocab | None:
         """The vocabulary saved beside a drafter, or None when it drafts over the full vocabulary."""
-        path, legacy = Path(directory) / FILE_NAME, Path(directory) / LEGACY_FILE_NAME
-        if path.is_file():
-            try:
-                data = json.loads(path.read_text())
+        directory = Path(directory)
+        path, (json_path, older) = directory / FILE_NAME, (directory / name for name in OLDER_FILE_NAMES)
+        try:
+            if path.is_file():
+                with safe_open(str(path), framework="pt") as f:
+                    offsets = f.get_tensor("d2t")
+                    return cls.of(offsets + torch.arange(offsets.numel()), int(f.metadata()["vocab_size"]))
+            if json_path.is_file():
+                data = json.loads(json_path.read_text())
                 return cls.of(data["token_ids"], int(data["vocab_size"]))
-            except (ValueError, KeyError, TypeError) as err:
-                raise InputError(f"{path} is not a draft vocabulary ({err}): it holds vocab_size and token_ids") from err
-        if legacy.is_file():
-            with safe_open(str(legacy), framework="pt") as f:
-                return cls.of(f.get_tensor("token_ids"), int(f.metadata()["vocab_size"]))
+            if older.is_file():
+                with safe_open(str(older), framework="pt") as f:
+                    return cls.of(f.get_tensor("token_ids"), int(f.metadata()["vocab_size"]))
+        except (ValueError, KeyError, TypeError, OSError, SafetensorError) as err:
+            raise InputError(f"{directory} holds no readable draft vocabulary ({err}): {FILE_NAME} holds d2t, with vocab_size in its metadata") from err
         return None

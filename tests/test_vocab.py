@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 import pytest
 import torch
@@ -39,34 +41,43 @@ def test_batch_labels_are_draft_indices_and_other_tokens_train_nothing(tiny_draf
     assert drafted.weight_total == drafted.blocks.weights.sum() < full.weight_total
 
 
-def test_the_vocabulary_is_saved_beside_the_reference_weights(tmp_path, tiny_drafter_config):
+def test_the_vocabulary_is_saved_in_vllms_form_beside_the_reference_weights(tmp_path, tiny_drafter_config):
+    """``draft_head.safetensors`` holds the head rows and EAGLE-3's ``d2t`` offsets (target id = draft id + d2t), and
+    ``config.json`` the ``draft_vocab_size``: what vLLM's DFlash loader reads. ``model.safetensors`` is unchanged."""
     drafter = DFlashDrafter(tiny_drafter_config)
     drafter.draft_vocab = DraftVocab.of([7, 2, 99], tiny_drafter_config.vocab_size)
-    drafter.save_pretrained(tmp_path)
+    head = torch.randn(tiny_drafter_config.vocab_size, tiny_drafter_config.hidden_size)
+    with pytest.raises(ValueError, match="lm_head_weight"):
+        drafter.save_pretrained(tmp_path)
+    drafter.save_pretrained(tmp_path, head)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", FILE_NAME, "model.safetensors"]
     assert set(load_file(str(tmp_path / "model.safetensors"))) == set(DFlashDrafter(tiny_drafter_config).state_dict())
+    vllm = load_file(str(tmp_path / FILE_NAME))
+    assert vllm["d2t"].tolist() == [2 - 0, 7 - 1, 99 - 2] and torch.equal(vllm["lm_head.weight"], head[[2, 7, 99]])
+    assert json.loads((tmp_path / "config.json").read_text())["draft_vocab_size"] == 3
     loaded = DFlashDrafter.from_pretrained(tmp_path)
     assert loaded.draft_vocab.token_ids.tolist() == [2, 7, 99] and loaded.draft_vocab.index.numel() == tiny_drafter_config.vocab_size
     # A drafter without one, saved over it, drafts over the whole vocabulary again.
     DFlashDrafter(tiny_drafter_config).save_pretrained(tmp_path)
     assert not (tmp_path / FILE_NAME).exists() and DFlashDrafter.from_pretrained(tmp_path).draft_vocab is None
+    assert "draft_vocab_size" not in json.loads((tmp_path / "config.json").read_text())
 
 
-def test_the_only_safetensors_file_is_the_weights_and_an_older_vocabulary_file_still_loads(tmp_path, tiny_drafter_config):
-    """Engines load every *.safetensors file of a drafter's directory; the vocabulary must not be one. A drafter saved
-    with the older safetensors vocabulary file loads with its vocabulary, and saving over it removes that file."""
+def test_older_vocabulary_files_still_load_and_saving_replaces_them(tmp_path, tiny_drafter_config):
+    """Drafters saved with the JSON vocabulary, or the older safetensors one (whose tensor vLLM rejects), load with
+    their vocabulary; saving over them leaves the current form only. A broken file is named."""
     from safetensors.torch import save_file
-
-    from dflash.vocab import LEGACY_FILE_NAME
 
     drafter = DFlashDrafter(tiny_drafter_config)
     drafter.save_pretrained(tmp_path)
-    save_file({"token_ids": torch.tensor([3, 5])}, str(tmp_path / LEGACY_FILE_NAME), metadata={"vocab_size": str(tiny_drafter_config.vocab_size)})
+    save_file({"token_ids": torch.tensor([3, 5])}, str(tmp_path / "draft_vocab.safetensors"), metadata={"vocab_size": str(tiny_drafter_config.vocab_size)})
     assert DFlashDrafter.from_pretrained(tmp_path).draft_vocab.token_ids.tolist() == [3, 5]
+    (tmp_path / "draft_vocab.json").write_text(json.dumps({"vocab_size": tiny_drafter_config.vocab_size, "token_ids": [6, 1]}))
+    assert DFlashDrafter.from_pretrained(tmp_path).draft_vocab.token_ids.tolist() == [1, 6]
     drafter.draft_vocab = DraftVocab.of([4], tiny_drafter_config.vocab_size)
-    drafter.save_pretrained(tmp_path)
-    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
+    drafter.save_pretrained(tmp_path, torch.zeros(tiny_drafter_config.vocab_size, tiny_drafter_config.hidden_size))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", FILE_NAME, "model.safetensors"]
     assert DFlashDrafter.from_pretrained(tmp_path).draft_vocab.token_ids.tolist() == [4]
-    (tmp_path / FILE_NAME).write_text('{"token_ids": [1]}')
-    with pytest.raises(ValueError, match="not a draft vocabulary"):
+    (tmp_path / FILE_NAME).write_bytes(b"not safetensors")
+    with pytest.raises(InputError, match="no readable draft vocabulary"):
         DFlashDrafter.from_pretrained(tmp_path)
