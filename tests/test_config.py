@@ -40,6 +40,12 @@ def test_empty_config_takes_every_default():
         ({"drafter": {"layer_ids": ["1", "x"]}}, "drafter.layer_ids"),
         ({"eval": {"verify_cost": [1.0, 0.0]}}, "eval.verify_cost"),
         ({"eval": {"linear_kernel": "mkl"}}, "eval.linear_kernel"),
+        # Declared bounds, nested and in lists included.
+        ({"data": {"max_length": 4}}, "data.max_length: must be at least 8, got 4"),
+        ({"eval": {"sets": [{"name": "x", "source": "heldout", "limit": 0}]}}, "eval.sets[0].limit: must be at least 1"),
+        ({"serve": {"tolerance": 1.0}}, "serve.tolerance: must be less than 1.0"),
+        ({"data": {"generation": {"top_p": 1.5}}}, "data.generation.top_p: must be at most 1.0"),
+        ({"train": {"grad_clip": 0}}, "train.grad_clip: must be greater than 0.0"),
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(raw, key):
@@ -102,10 +108,14 @@ def test_canonical_json_ignores_key_order():
     assert canonical_json(a) != canonical_json(load_config({"train": {"lr": 2e-3, "epochs": 2}}).train)
 
 
+BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+
+
 def _schema_keys(schema, prefix=""):
-    keys = set()
+    """Every key the schema names, with the bounds it declares."""
+    keys = {}
     for name, sub in schema.get("properties", {}).items():
-        keys.add(prefix + name)
+        keys[prefix + name] = {b: sub[b] for b in BOUNDS if b in sub}
         if sub.get("type") == "object":
             keys |= _schema_keys(sub, prefix + name + ".")
         if sub.get("type") == "array" and sub.get("items", {}).get("type") == "object":
@@ -114,10 +124,11 @@ def _schema_keys(schema, prefix=""):
 
 
 def _dataclass_keys(kind, prefix=""):
-    keys = set()
+    """Every key the dataclasses name, with the bounds declared on the field (``config.bounded``)."""
+    keys = {}
     hints = typing.get_type_hints(kind)
     for f in fields(kind):
-        keys.add(prefix + f.name)
+        keys[prefix + f.name] = dict(f.metadata)
         hint = hints[f.name]
         if is_dataclass(hint):
             keys |= _dataclass_keys(hint, prefix + f.name + ".")
@@ -126,8 +137,11 @@ def _dataclass_keys(kind, prefix=""):
     return keys
 
 
-def test_schema_and_dataclasses_name_the_same_keys():
-    assert _schema_keys(SCHEMA) == _dataclass_keys(Config)
+def test_schema_and_dataclasses_name_the_same_keys_with_the_same_bounds():
+    """The bounds are declared on the dataclass fields; the schema, which Snakemake checks at start, must agree."""
+    schema, dataclasses_ = _schema_keys(SCHEMA), _dataclass_keys(Config)
+    assert set(schema) == set(dataclasses_)
+    assert {k: v for k, v in schema.items() if v} == {k: v for k, v in dataclasses_.items() if v}
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "config").glob("*.yaml")))
