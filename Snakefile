@@ -3,6 +3,7 @@
 #   snakemake --cores 1 train      preflight checks, target, data, training
 #   snakemake --cores 1 evaluate   ... and evaluation
 #   snakemake --report results/report.html
+#   snakemake --cores 1 serve_check   opt-in: the trained drafter in vLLM, against our decoding
 
 
 configfile: "config/config.yaml"
@@ -14,6 +15,7 @@ include: "workflow/rules/preflight.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/serve.smk"
 
 
 rule all:

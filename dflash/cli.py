@@ -87,17 +87,57 @@ def train(args, s) -> None:
 
 
 def evaluate(args, s) -> None:
+    import torch
+
     from dflash.data import read_samples
     from dflash.evaluate import run_evaluation
     from dflash.model import DFlashDrafter
     from dflash.preflight.gate import first_device
     from dflash.target import load_from_manifest
 
-    target = load_from_manifest(args.target_manifest, device=first_device(s["topology"]))
+    target = load_from_manifest(args.target_manifest, device=first_device(s["topology"]), dtype=getattr(torch, s["eval"].target_dtype))
     drafter = DFlashDrafter.from_pretrained(args.drafter, device=target.device, dtype=target.dtype).eval()
     validation = read_samples(args.validation, allow_empty=True)
     summary = run_evaluation(s["eval"], target, drafter, args.heldout, args.out_dir, validation)
     print(summary.to_string(index=False))
+
+
+def serve_env(args, s) -> None:
+    from dflash.io import atomic_write_text
+    from dflash.serving import build_env
+
+    versions = build_env(args.env, s["serve"])
+    atomic_write_text(args.out, json.dumps(versions, indent=2) + "\n")
+    print(f"vLLM {versions['vllm']} (torch {versions['torch']}, transformers {versions['transformers']}) in {args.env}")
+
+
+def serve_check(args, s) -> None:
+    import torch
+
+    from dflash.preflight.gate import first_device
+    from dflash.serving import run_serve_check
+    from dflash.target import load_from_manifest, manifest_location
+
+    target = load_from_manifest(args.target_manifest, device=first_device(s["topology"]), dtype=getattr(torch, s["eval"].target_dtype))
+    python = json.loads(args.env_manifest.read_text())["python"]
+    target_dir = manifest_location(json.loads(args.target_manifest.read_text()))
+    summary = run_serve_check(s["serve"], s["eval"], python, target, target_dir, args.drafter, args.heldout, args.out_dir)
+    for arm, result in summary["acceptance"].items():
+        print(f"{arm}: τ vLLM {result['vllm']['tau']:.3f}, ours {result['ours']['tau']:.3f}; agree: {result['agree']}")
+
+
+def serve_regeneration(args, s) -> None:
+    from dflash.preflight.gate import first_device
+    from dflash.serving import compare_regeneration_engines
+    from dflash.target import load_from_manifest, manifest_location, preparation_dtype
+
+    device = first_device(s["topology"])
+    generation = s["data"].generation
+    target = load_from_manifest(args.target_manifest, device=device, dtype=preparation_dtype(generation.dtype, device))
+    python = json.loads(args.env_manifest.read_text())["python"]
+    target_dir = manifest_location(json.loads(args.target_manifest.read_text()))
+    summary = compare_regeneration_engines(s["serve"], s["eval"], generation, python, target, target_dir, args.heldout, args.out)
+    print(f"local {summary['local']['tokens_per_second']:.1f} tokens/s, vLLM {summary['vllm']['tokens_per_second']:.1f} tokens/s")
 
 
 def report(args, s) -> None:
@@ -151,6 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
     paths = ["target_manifest", "drafter", "heldout", "validation", "out_dir"]
     _add(sub, "evaluate", "speculative decoding on the evaluation sets", evaluate, {"eval": C.EvalConfig, "topology": C.TopologyConfig}, paths)
     _add(sub, "report", "plots and an HTML summary", report, {}, ["metrics", "train_summary", "card", "eval_summary", "out_dir"])
+    _add(sub, "serve-env", "build vLLM's own environment (serve.requirements)", serve_env, {"serve": C.ServeConfig}, ["env", "out"])
+    sections = {"serve": C.ServeConfig, "eval": C.EvalConfig, "topology": C.TopologyConfig}
+    paths = ["env_manifest", "target_manifest", "drafter", "heldout", "out_dir"]
+    _add(sub, "serve-check", "the trained drafter in vLLM: acceptance against ours, outputs, tokens/s", serve_check, sections, paths)
+    sections = {"serve": C.ServeConfig, "eval": C.EvalConfig, "data": C.DataConfig, "topology": C.TopologyConfig}
+    paths = ["env_manifest", "target_manifest", "heldout", "out"]
+    _add(sub, "serve-regeneration", "regeneration by the local engine and by vllm serve: tokens/s", serve_regeneration, sections, paths)
 
     preflight = {"topology": C.TopologyConfig, "preflight": C.PreflightConfig}
     p = _add(sub, "env-check", "versions, devices, compiler, directories and disk against the config", env_check, preflight, ["out"])

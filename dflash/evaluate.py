@@ -56,6 +56,7 @@ SUMMARY_COLUMNS = [
     "val_tau",
     "val_tau_gated",
     "device",
+    "target_dtype",
 ]
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ def evaluate_set(name: str, conversations: list[Conversation], arms: Arms, max_n
     return rows
 
 
-def summarize(name: str, rows: pd.DataFrame, block_size: int, device: str, predicted: dict) -> dict:
+def summarize(name: str, rows: pd.DataFrame, block_size: int, target: Target, predicted: dict) -> dict:
     """One summary row: τ averaged per request then across requests; speedups from mean time per output token."""
     tpot_ar = rows["tpot_ar_ms"].mean()
     hybrid_steps = rows["hybrid_lookup_steps"].sum() + rows["hybrid_dflash_steps"].sum()
@@ -202,7 +203,8 @@ def summarize(name: str, rows: pd.DataFrame, block_size: int, device: str, predi
         "verified": rows["verified"].mean(),
         "val_tau": predicted.get("tau", float("nan")),
         "val_tau_gated": predicted.get("tau_gated", float("nan")),
-        "device": device,
+        "device": str(target.device),
+        "target_dtype": str(target.dtype).removeprefix("torch."),
     }
 
 
@@ -301,7 +303,7 @@ def run_evaluation(
             raise InputError(f"eval.sets {eval_set.name!r}: source {eval_set.source!r} gave no prompts")
         rows = pd.DataFrame(evaluate_set(eval_set.name, conversations, arms, cfg.max_new_tokens))
         rows.to_csv(out_dir / f"{eval_set.name}.csv", index=False)
-        summary.append(summarize(eval_set.name, rows, block_size, str(target.device), predicted))
+        summary.append(summarize(eval_set.name, rows, block_size, target, predicted))
     frame = pd.DataFrame(summary, columns=SUMMARY_COLUMNS)
     frame.to_csv(out_dir / "summary.csv", index=False)
     return frame

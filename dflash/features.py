@@ -4,7 +4,8 @@ One teacher-forced forward pass over a sample gives both (``TargetRow``). Three
 sources, any topology: a disk cache computed once before training
 (``train.hidden_states: cache``), the target on the drafter's own rank
 (``online``, colocated), or target ranks computing them and sending them to the
-drafter ranks (``online``, split). Each is a callable ``(step, indices) -> rows``.
+drafter ranks (``online``, split: ``dflash.transport``). Each is a callable
+``(step, indices) -> rows``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import logging
 import os
 import shutil
 import time
-from collections import deque
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +27,8 @@ import torch
 from tqdm.auto import tqdm
 
 from dflash import distributed
-from dflash.batch import Schedule, TargetRow, pad_rows
-from dflash.distributed import Incoming, Layout, all_reduce_sum, routes, send_rows
+from dflash.batch import TargetRow, pad_rows
+from dflash.distributed import Layout, all_reduce_sum
 from dflash.errors import InputError
 from dflash.io import atomic_path, atomic_write_text
 from dflash.target import Target
@@ -267,74 +267,3 @@ class OnlineFeatures:
 
     def __call__(self, step: int, indices: list[int]) -> list[TargetRow]:
         return self.rows(indices)
-
-
-class ReceivedFeatures:
-    """Split, drafter side: the target's rows of this rank's share, sent by the target ranks (one message per
-    field and route).
-
-    The receives of the next step are posted before this step trains, so the
-    transfer overlaps training.
-    """
-
-    def __init__(self, layout: Layout, schedule: Schedule, lengths: list[int], width: int, dtype: torch.dtype, top_k: int = 0):
-        self.layout, self.schedule, self.lengths = layout, schedule, lengths
-        self.fields = _messages(width, dtype, top_k)
-        self.pending: dict[int, list[tuple[list[int], dict[str, Incoming]]]] = {}
-
-    def _post(self, step: int) -> None:
-        batch, layout = self.schedule.batch(step), self.layout
-        self.pending[step] = []
-        for (t, d), positions in routes(len(batch), len(layout.target_ranks), layout.drafter_world).items():
-            if d == layout.rank:
-                lengths, src = [self.lengths[batch[j]] for j in positions], layout.target_ranks[t]
-                incoming = {field: Incoming.post(lengths, width, dtype, layout.device, src) for field, (dtype, width) in self.fields.items()}
-                self.pending[step].append((positions, incoming))
-
-    def __call__(self, step: int, indices: list[int]) -> list[TargetRow]:
-        if step not in self.pending:
-            self._post(step)
-        if step + 1 < self.schedule.total:
-            self._post(step + 1)
-        received = {}
-        for positions, incoming in self.pending.pop(step):
-            fields = {field: message.wait() for field, message in incoming.items()}
-            for n, j in enumerate(positions):
-                row = {field: rows[n] for field, rows in fields.items()}
-                row["greedy"] = row["greedy"].squeeze(1)
-                received[j] = TargetRow(**row)
-        return [received[j] for j in sorted(received)]  # position order is share order
-
-
-def _messages(width: int, dtype: torch.dtype, top_k: int) -> dict[str, tuple[torch.dtype, int]]:
-    """The fields of a ``TargetRow`` as sent between ranks, in order: dtype and width of one token's entry."""
-    fields = {"features": (dtype, width), "greedy": (torch.long, 1)}
-    if top_k:
-        fields |= {"top_ids": (torch.long, top_k), "top_probs": (torch.float32, top_k)}
-    return fields
-
-
-def serve_features(layout: Layout, features: OnlineFeatures, schedule: Schedule, first: int, depth: int = 2) -> None:
-    """Split, target side: compute this rank's positions of every global batch and send each to the
-    drafter rank that trains on it. Up to ``depth`` steps are in flight, so the target runs ahead of training."""
-    senders = layout.target_ranks
-    me = senders.index(layout.rank)
-    fields = _messages(len(features.layer_ids) * features.target.hidden_size, features.target.dtype, features.top_k)
-    in_flight: deque[list] = deque()
-    for step in tqdm(range(first, schedule.total), desc=f"serving hidden states (rank {layout.rank})", unit="step", disable=me != 0):
-        batch = schedule.batch(step)
-        mine = list(range(me, len(batch), len(senders)))
-        computed = dict(zip(mine, features.rows([batch[j] for j in mine]))) if mine else {}
-        sends = []
-        for (t, d), positions in routes(len(batch), len(senders), layout.drafter_world).items():
-            if t == me:
-                for field, (dtype, _) in fields.items():
-                    values = [getattr(computed[j], field).to(dtype) for j in positions]
-                    sends.append(send_rows([v[:, None] if v.dim() == 1 else v for v in values], dst=d))
-        in_flight.append(sends)
-        while len(in_flight) > depth:
-            for request, _ in in_flight.popleft():
-                request.wait()
-    for sends in in_flight:
-        for request, _ in sends:
-            request.wait()

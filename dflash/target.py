@@ -220,7 +220,7 @@ def load_from_manifest(path: str | Path, device: str | torch.device = "cpu", dty
     if not path.is_file():
         raise MissingInputError(f"{path} does not exist: run the prepare_target stage first")
     manifest = json.loads(path.read_text())
-    target = Target.load(_manifest_location(manifest), device=device, dtype=dtype or getattr(torch, manifest["dtype"]), layers=layers)
+    target = Target.load(manifest_location(manifest), device=device, dtype=dtype or getattr(torch, manifest["dtype"]), layers=layers)
     target.source = manifest["source"]
     return target
 
@@ -232,10 +232,10 @@ def config_from_manifest(path: str | Path):
     path = Path(path)
     if not path.is_file():
         raise MissingInputError(f"{path} does not exist: run the prepare_target stage first")
-    return AutoConfig.from_pretrained(_manifest_location(json.loads(path.read_text())))
+    return AutoConfig.from_pretrained(manifest_location(json.loads(path.read_text())))
 
 
-def _manifest_location(manifest: dict) -> str:
+def manifest_location(manifest: dict) -> str:
     """The local directory a manifest recorded, or its source again if that directory is gone (a cleared cache)."""
     recorded = manifest.get("path")
     return recorded if recorded and (Path(recorded) / "config.json").is_file() else manifest["source"]

@@ -30,10 +30,11 @@ from dflash.checkpoint import Progress, load_checkpoint, resume_point, save_chec
 from dflash.compile_cache import compile_cache_hits, log_compile_cache_hits, use_warm_cache
 from dflash.config import DrafterConfig, TrainConfig
 from dflash.distributed import Layout, all_reduce_sum
-from dflash.features import CachedFeatures, HiddenStateCache, Meter, OnlineFeatures, ReceivedFeatures, serve_features, total_rate
+from dflash.features import CachedFeatures, HiddenStateCache, Meter, OnlineFeatures, total_rate
 from dflash.model import DFlashConfig
 from dflash.step import ValidationData, compile_drafter, drafter_config_for, normalise_globally, train_step, training_drafter, validation_metrics
 from dflash.target import Target, preparation_dtype
+from dflash.transport import ReceivedFeatures, serve_features
 from dflash.vocab import DraftVocab
 
 log = logging.getLogger(__name__)

@@ -128,14 +128,14 @@ def test_lossless_under_partial_acceptance(make_config):
 CONSTANT = 42
 
 
-def constant_target():
-    """A target whose greedy output is always token 42, whatever the context.
+def constant_target(**shape):
+    """A target whose greedy output is always token 42, whatever the context (``shape`` overrides the tiny shape).
 
     All attention and MLP outputs are zeroed, so the last hidden state is the
     normalised embedding of the current token; every embedding is positive and
     the LM-head row of token 42 is all ones, so token 42 wins by a wide margin.
     """
-    target = build_target(llama_config(), seed=7)
+    target = build_target(llama_config(**shape), seed=7)
     model = target.model
     with torch.no_grad():
         for layer in model.model.layers:

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from dflash.batch import Schedule
 from dflash.checkpoint import complete_checkpoints
-from dflash.distributed import routes
+from dflash.transport import routes
 
 pytestmark = pytest.mark.slow
 

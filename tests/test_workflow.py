@@ -69,6 +69,7 @@ SUMMARY_COLUMNS = [
     "val_tau",
     "val_tau_gated",
     "device",
+    "target_dtype",
 ]
 EVAL_SETS = ["chat", "local", "humaneval"]
 
@@ -319,7 +320,7 @@ def test_evaluation_summary_is_lossless_on_every_set(e2e):
     cost = json.loads((results / "eval" / "verify_cost.json").read_text())
     assert len(cost["relative"]) == 4 and cost["relative"][0] == 1.0 and cost["draft"] > 0
     assert (results / "eval" / "calibration.json").is_file()
-    assert (summary["device"] == "cpu").all()
+    assert (summary["device"] == "cpu").all() and (summary["target_dtype"] == "float32").all()
     for name in EVAL_SETS:
         rows = pd.read_csv(results / "eval" / f"{name}.csv")
         assert len(rows) == 2 and rows["lossless"].all()

@@ -26,8 +26,11 @@ from pathlib import Path
 import torch
 
 from dflash.preflight.verdict import Verdict
+from dflash.source_imports import import_statements
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
+# Modules run by their path in an environment of their own, whose imports are checked there: vLLM's (serve_env).
+OWN_ENVIRONMENT = ("vllm_runner.py",)
 
 
 @dataclass
@@ -39,43 +42,14 @@ class SmokeVerdict(Verdict):
     backends: dict[str, dict] = field(default_factory=dict)  # backend -> forward_loss, trained, note
 
 
-def _optional(node: ast.Try) -> bool:
-    """A ``try`` whose handler catches ImportError: what it imports may be missing by design."""
-    names = []
-    for handler in node.handlers:
-        kinds = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
-        names += [k.id for k in kinds if isinstance(k, ast.Name)]
-    return bool({"ImportError", "ModuleNotFoundError"} & set(names))
-
-
-def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement, at any depth (stages import lazily inside functions), except optional ones."""
-    found, stack = [], [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.Try) and _optional(node):
-            stack.extend(node.handlers + node.orelse + node.finalbody)
-            continue
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            if not (isinstance(node, ast.ImportFrom) and node.module == "__future__"):
-                found.append(node)
-            continue
-        stack.extend(ast.iter_child_nodes(node))
-    return sorted(found, key=lambda n: n.lineno)
-
-
 def import_lines(package_dir: Path = PACKAGE_DIR) -> dict[str, list[str]]:
-    """Each distinct import line written in the package, mapped to where it is written (``dflash/train.py:25``)."""
+    """Each distinct import line written in the package (optional ones aside), mapped to where it is written
+    (``dflash/train.py:25``)."""
     lines: dict[str, list[str]] = {}
-    for path in sorted(package_dir.rglob("*.py")):
+    for path in sorted(p for p in package_dir.rglob("*.py") if p.name not in OWN_ENVIRONMENT):
         relative = path.relative_to(package_dir.parent)
-        for node in _imports(ast.parse(path.read_text(), filename=str(path))):
-            where = f"{relative}:{node.lineno}"
-            if isinstance(node, ast.ImportFrom) and node.level:
-                # Resolve a relative import against the module's own package.
-                parts = list(relative.with_suffix("").parts)[: -node.level]
-                node = ast.ImportFrom(module=".".join(parts + ([node.module] if node.module else [])), names=node.names, level=0)
-            lines.setdefault(ast.unparse(node), []).append(where)
+        for node in import_statements(path, package_dir.parent, optional=False):
+            lines.setdefault(ast.unparse(node), []).append(f"{relative}:{node.lineno}")
     return lines
 
 

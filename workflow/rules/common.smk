@@ -1,5 +1,4 @@
 # Helpers shared by all stages: the validated config, per-stage config sections, the package files each stage runs.
-import ast
 import functools
 import json
 import sys
@@ -11,6 +10,7 @@ from snakemake.utils import validate
 
 sys.path.insert(0, workflow.basedir)
 from dflash.config import EMBEDDED, HELDOUT, HUMANEVAL, TRANSPORT_KEYS, ConfigError, canonical_json, check_local_sources, load_config, to_dict
+from dflash.source_imports import import_statements, imported_modules
 
 
 # The typed config first: its messages name the dotted key ("train.lrr: unknown key; allowed keys here
@@ -88,29 +88,11 @@ def _module_file(name):
 @functools.lru_cache(maxsize=None)
 def _imports(path, module_level_only=False):
     """The package files the import statements of ``path`` run (with their packages' ``__init__.py``)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    nodes, stack = [], list(tree.body)
-    while stack:
-        node = stack.pop()
-        if module_level_only and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            continue
-        nodes.append(node)
-        stack.extend(ast.iter_child_nodes(node))
-    names = []
-    for node in nodes:
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                package_parts = path.relative_to(PACKAGE_ROOT).with_suffix("").parts[: -node.level]
-                base = ".".join(package_parts + ((node.module,) if node.module else ()))
-            # `from dflash import config` imports the submodule dflash.config.
-            names += [base] + [f"{base}.{alias.name}" for alias in node.names]
     files = set()
-    for name in names:
-        parts = name.split(".")
-        files |= {f for i in range(1, len(parts) + 1) if (f := _module_file(".".join(parts[:i]))) is not None}
+    for node in import_statements(path, PACKAGE_ROOT, module_level_only):
+        for name in imported_modules(node):
+            parts = name.split(".")
+            files |= {f for i in range(1, len(parts) + 1) if (f := _module_file(".".join(parts[:i]))) is not None}
     return frozenset(files)
 
 

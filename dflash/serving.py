@@ -1,0 +1,348 @@
+"""Served where users deploy: the trained drafter in vLLM, its acceptance measured by vLLM against our own.
+
+The opt-in ``serve_check`` stage. vLLM pins a transformers older than the
+project's, so it runs in an environment of its own (``build_env``), as a
+subprocess running ``dflash/vllm_runner.py``. On the evaluation's prompts
+(``serve.limit`` per set), at the evaluation's block size, greedy:
+
+- vLLM decodes each prompt without a drafter, with the drafter as exported,
+  and with the drafter over the target's whole vocabulary (its directory
+  without the draft vocabulary's file);
+- we decode the same prompts autoregressively and with the drafter at the
+  same block size, with and without its draft vocabulary, every draft
+  position verified (vLLM verifies all ``num_speculative_tokens``: no gate);
+- vLLM's mean acceptance length and per-position acceptance, from its own
+  counters, must agree with ours within ``serve.tolerance``. This is the
+  check that the export means to vLLM what it means to us: layer ids, mask
+  token, rope, block size and vocabulary. A wrong one shows as acceptance
+  far from ours (near zero, for most).
+
+Outputs are compared token for token with our autoregressive arm. vLLM's CPU
+kernels round differently from ours in fp32, so greedy decoding may take the
+other side of a near-tie and differ from there on; the stage reports where,
+and fails only on acceptance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from dflash.config import EvalConfig, GenerationConfig, ServeConfig, ServerConfig, cpu_threads
+from dflash.decode import speculative_generate
+from dflash.errors import InputError
+from dflash.evaluate import eval_conversations
+from dflash.io import atomic_write_text
+from dflash.kernels import pack_linears
+from dflash.model import DFlashDrafter
+from dflash.target import Target
+from dflash.vocab import FILE_NAME as VOCAB_FILE
+
+log = logging.getLogger(__name__)
+
+RUNNER = Path(__file__).with_name("vllm_runner.py")
+SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+# In-process engine: vLLM's engine-core process adds nothing to one request at a time, and on a CPU it reserves a
+# core of its own for the scheduler (of 2 here). vLLM also cuts torch to 1 thread unless OMP_NUM_THREADS is set.
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+NUMERICS_CAVEAT = (
+    "vLLM's CPU kernels (its attention and GEMMs) round differently from ours in fp32: greedy decoding may take the other "
+    "side of a near-tie, and every later token may then differ. Outputs that differ are not a defect of the drafter, "
+    "which cannot change what the target writes; acceptance is what the check compares."
+)
+
+
+def _run(command: list[str], what: str, timeout: int | None = None, env: dict | None = None, log_path: Path | None = None) -> str:
+    """Run ``command``: its standard output, or an ``InputError`` naming ``what`` failed, with its last lines. With
+    ``log_path``, both streams go to that file as they come (to follow a long run), and the output returned is empty."""
+    try:
+        if log_path is None:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+            output = done.stdout + done.stderr
+        else:
+            with open(log_path, "w") as log:
+                done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, env=env)
+            output = log_path.read_text()
+    except subprocess.TimeoutExpired as err:
+        raise InputError(f"{what} did not finish within {timeout} s (serve.timeout_s){f'; its log: {log_path}' if log_path else ''}") from err
+    if done.returncode:
+        tail = "\n".join(output.strip().splitlines()[-15:])
+        raise InputError(f"{what} failed (exit status {done.returncode}){f'; its log: {log_path}' if log_path else ''}:\n{tail}")
+    return done.stdout if log_path is None else ""
+
+
+def build_env(env: Path, cfg: ServeConfig) -> dict:
+    """A virtual environment at ``env`` with ``cfg.requirements`` installed and ``cfg.uninstall`` removed, in which
+    vLLM imports; the versions it holds."""
+    python = env / "bin" / "python"
+    if not python.exists():
+        _run([sys.executable, "-m", "venv", str(env)], f"creating a virtual environment at {env}")
+    _run([str(python), "-m", "pip", "install", "--quiet", *cfg.requirements], f"pip install {' '.join(cfg.requirements)} (serve.requirements)")
+    if cfg.uninstall:
+        _run([str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *cfg.uninstall], f"pip uninstall {' '.join(cfg.uninstall)}")
+    probe = "import json, torch, transformers, vllm; from vllm import LLM; print(json.dumps({m.__name__: m.__version__ for m in (vllm, torch, transformers)}))"
+    versions = json.loads(_run([str(python), "-c", probe], f"importing vLLM in {env} (serve.requirements, serve.uninstall)").strip().splitlines()[-1])
+    return {"python": str(python)} | versions
+
+
+@dataclass
+class Prompt:
+    set: str
+    id: str
+    messages: list[dict]
+    input_ids: list[int]
+
+
+def serve_prompts(target: Target, eval_cfg: EvalConfig, limit: int, heldout: Path) -> list[Prompt]:
+    """The first ``limit`` prompts of each evaluation set, as the evaluation tokenizes them."""
+    prompts = []
+    for eval_set in eval_cfg.sets:
+        count = limit if eval_set.limit is None else min(limit, eval_set.limit)
+        for conversation in eval_conversations(eval_set.source, eval_set.split, count, heldout):
+            messages = conversation.as_messages()
+            prompts.append(Prompt(eval_set.name, conversation.prompt_id, messages, target.chat_prompt_ids(messages)))
+    if not prompts:
+        raise InputError("eval.sets gave no prompts for the serve check")
+    return prompts
+
+
+def run_vllm(python: str, name: str, request: dict, work: Path, timeout: int) -> dict:
+    """One vLLM run (``vllm_runner.py``) of ``request``; its result. Files ``<name>.*`` in ``work``."""
+    request_path, result_path = work / f"{name}.request.json", work / f"{name}.result.json"
+    request_path.write_text(json.dumps(request))
+    started = time.perf_counter()
+    env = os.environ | VLLM_ENV | {"OMP_NUM_THREADS": str(cpu_threads())}  # Snakemake sets it to the rule's threads
+    _run([python, str(RUNNER), str(request_path), str(result_path)], f"vLLM ({name})", timeout, env, work / f"{name}.log")
+    log.info("vLLM %s: %.0f s", name, time.perf_counter() - started)
+    return json.loads(result_path.read_text())
+
+
+def drafter_over_full_vocab(drafter_dir: Path, out: Path) -> Path:
+    """A copy of ``drafter_dir`` without its draft vocabulary: the drafter over the target's whole vocabulary."""
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(drafter_dir, out, ignore=shutil.ignore_patterns(VOCAB_FILE, ".*"))
+    config = json.loads((out / "config.json").read_text())
+    config.pop("draft_vocab_size", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def acceptance(lengths: list[int], block_size: int) -> dict:
+    """Ours, pooled over verify steps: τ (mean accepted drafts + 1) and the share of steps accepting position k."""
+    steps = max(1, len(lengths))
+    return {"tau": sum(lengths) / steps, "per_position": [sum(n - 1 >= k for n in lengths) / steps for k in range(1, block_size)], "steps": len(lengths)}
+
+
+def vllm_acceptance(rows: list[dict], block_size: int) -> dict:
+    """vLLM's, from its counters: 1 + accepted / drafts, and accepted at position k / drafts."""
+    drafts = sum(r["drafts"] for r in rows)
+    per_position = [0] * (block_size - 1)
+    for r in rows:
+        for k, count in enumerate(r["accepted_per_position"][: block_size - 1]):
+            per_position[k] += count
+    if not drafts:
+        return {"tau": float("nan"), "per_position": [float("nan")] * (block_size - 1), "steps": 0}
+    return {"tau": 1 + sum(r["accepted_tokens"] for r in rows) / drafts, "per_position": [c / drafts for c in per_position], "steps": drafts}
+
+
+def differences(ours: dict, theirs: dict, tolerance: float) -> list[str]:
+    """Where vLLM's acceptance is further from ours than ``tolerance`` (relative; acceptance rates under 0.1 are
+    compared as if 0.1, since a relative test on a handful of events says nothing)."""
+    found = []
+    if not abs(theirs["tau"] - ours["tau"]) <= tolerance * ours["tau"]:
+        found.append(f"mean acceptance length: vLLM {theirs['tau']:.3f}, ours {ours['tau']:.3f}")
+    for k, (a, b) in enumerate(zip(ours["per_position"], theirs["per_position"]), start=1):
+        if not abs(a - b) <= tolerance * max(a, b, 0.1):
+            found.append(f"acceptance at draft position {k}: vLLM {b:.3f}, ours {a:.3f}")
+    return found
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two outputs differ (one ending early counts), or None when they are equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def our_arms(target: Target, drafter: DFlashDrafter, prompts: list[Prompt], block_size: int, max_new_tokens: int) -> dict[str, list[dict]]:
+    """Our decoding of each prompt: autoregressive, and with the drafter verifying every draft position, with its draft
+    vocabulary (as trained) and over the whole vocabulary."""
+    vocab = drafter.draft_vocab
+    arms: dict[str, list[dict]] = {"ar": [], "dflash": [], "dflash_full_vocab": []}
+    for prompt in prompts:
+        ids = torch.tensor([prompt.input_ids])
+        for arm, size, vocabulary in (("ar", 1, None), ("dflash", block_size, vocab), ("dflash_full_vocab", block_size, None)):
+            drafter.draft_vocab = vocabulary
+            out = speculative_generate(target, drafter if size > 1 else None, ids, max_new_tokens, block_size=size)
+            arms[arm].append(
+                {"tokens": out.tokens.tolist(), "seconds": out.stats.decode_seconds + out.stats.prefill_seconds, "lengths": out.stats.acceptance_lengths}
+            )
+    drafter.draft_vocab = vocab
+    return arms
+
+
+def run_serve_check(
+    cfg: ServeConfig, eval_cfg: EvalConfig, python: str, target: Target, target_dir: str, drafter_dir: Path, heldout: Path, out_dir: Path
+) -> dict:
+    """The ``serve_check`` stage: ``vllm.json`` (the comparison) and ``vllm.csv`` (per prompt) in ``out_dir``; an
+    ``InputError`` naming the difference when vLLM's acceptance and ours disagree."""
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, device=target.device, dtype=target.dtype).eval()
+    block_size = eval_cfg.block_size or drafter.block_size
+    prompts = serve_prompts(target, eval_cfg, cfg.limit, heldout)
+    work = out_dir / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    request = {
+        "target": target_dir,
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "max_model_len": max(len(p.input_ids) for p in prompts) + cfg.max_new_tokens + block_size,
+        "max_new_tokens": cfg.max_new_tokens,
+        "stop_token_ids": list(target.eos_token_ids),
+        "num_speculative_tokens": block_size - 1,
+        "prompts": [{"id": p.id, "input_ids": p.input_ids} for p in prompts],
+    }
+    full_vocab_dir = drafter_over_full_vocab(drafter_dir, work / "drafter-full-vocab")
+    theirs = {
+        "ar": run_vllm(python, "ar", request | {"drafter": None}, work, cfg.timeout_s),
+        "dflash": run_vllm(python, "dflash", request | {"drafter": str(drafter_dir)}, work, cfg.timeout_s),
+        "dflash_full_vocab": run_vllm(python, "dflash_full_vocab", request | {"drafter": str(full_vocab_dir)}, work, cfg.timeout_s),
+    }
+    pack_linears(target.model)  # exact: our outputs do not depend on it
+    ours = our_arms(target, drafter, prompts, block_size, cfg.max_new_tokens)
+
+    rows = []
+    for i, prompt in enumerate(prompts):
+        row = {"set": prompt.set, "prompt_id": prompt.id, "prompt_tokens": len(prompt.input_ids)}
+        for arm in theirs:
+            row[f"vllm_{arm}_first_difference"] = first_difference(theirs[arm]["prompts"][i]["tokens"], ours["ar"][i]["tokens"])
+        row["ours_dflash_first_difference"] = first_difference(ours["dflash"][i]["tokens"], ours["ar"][i]["tokens"])
+        rows.append(row)
+    frame = pd.DataFrame(rows)
+
+    def tokens_per_second(results: list[dict]) -> float:
+        return sum(len(r["tokens"]) for r in results) / max(1e-9, sum(r["seconds"] for r in results))
+
+    comparison, failures = {}, []
+    for arm in ("dflash", "dflash_full_vocab"):
+        mine = acceptance([n for r in ours[arm] for n in r["lengths"]], block_size)
+        vllms = vllm_acceptance(theirs[arm]["prompts"], block_size)
+        found = differences(mine, vllms, cfg.tolerance)
+        comparison[arm] = {"ours": mine, "vllm": vllms, "agree": not found, "differences": found}
+        failures += [f"{arm}: {d}" for d in found]
+    identical = {arm: int(frame[f"vllm_{arm}_first_difference"].isna().sum()) for arm in theirs}
+    summary = {
+        "vllm": theirs["ar"]["vllm_version"],
+        "block_size": block_size,
+        "prompts": len(prompts),
+        "max_new_tokens": cfg.max_new_tokens,
+        "tolerance": cfg.tolerance,
+        "acceptance": comparison,
+        "outputs_identical_to_our_ar": identical,
+        "ours_lossless": bool(frame["ours_dflash_first_difference"].isna().all()),
+        "numerics_caveat": NUMERICS_CAVEAT if min(identical.values()) < len(prompts) else None,
+        "tokens_per_second": {f"vllm_{arm}": tokens_per_second(result["prompts"]) for arm, result in theirs.items()}
+        | {f"ours_{arm}": tokens_per_second(result) for arm, result in ours.items()},
+        "vllm_startup_seconds": {arm: result["startup_seconds"] for arm, result in theirs.items()},
+        "agree": not failures,
+    }
+    atomic_write_text(out_dir / "vllm.csv", frame.to_csv(index=False))
+    atomic_write_text(out_dir / "vllm.json", json.dumps(summary, indent=2) + "\n")
+    log.info("serve check:\n%s", json.dumps(summary, indent=2))
+    if failures:
+        raise InputError("vLLM's acceptance differs from ours beyond serve.tolerance: " + "; ".join(failures) + f" (details: {out_dir / 'vllm.json'})")
+    return summary
+
+
+# -- vLLM as the regeneration engine ----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def vllm_server(python: str, target_dir: str, dtype: torch.dtype, max_model_len: int, log_path: Path, timeout: int):
+    """vLLM's OpenAI-compatible server of the target on 127.0.0.1 (served as ``target``) for the block: its base URL.
+    Start-up waits until it answers, fails at once naming its log if it exits, and the server is stopped after."""
+    port = free_port()
+    # The module `vllm serve` runs: the `vllm` command of vllm-cpu 0.32 looks up the version of a distribution named
+    # "vllm", and that one is named vllm-cpu.
+    command = [python, "-m", SERVER_MODULE, "--model", target_dir, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "target"]
+    command += ["--dtype", str(dtype).removeprefix("torch."), "--max-model-len", str(max_model_len)]
+    env = os.environ | VLLM_ENV | {"OMP_NUM_THREADS": str(cpu_threads())}
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if server.poll() is not None:
+                tail = "\n".join(log_path.read_text().strip().splitlines()[-15:])
+                raise InputError(f"vllm serve exited with status {server.returncode} while starting; its log: {log_path}:\n{tail}")
+            try:
+                with urllib.request.urlopen(f"{url}/models", timeout=5):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise InputError(f"vllm serve did not answer within {timeout} s (serve.timeout_s); its log: {log_path}") from None
+                time.sleep(2)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def compare_regeneration_engines(
+    cfg: ServeConfig, eval_cfg: EvalConfig, generation: GenerationConfig, python: str, target: Target, target_dir: str, heldout: Path, out: Path
+) -> dict:
+    """Regeneration of the serve check's prompts by the local engine and by ``vllm serve`` through the server engine,
+    with ``data.generation``'s settings: tokens/s of each, and how many replies are identical. Written to ``out``."""
+    from dflash.generation import Request, engine_for
+
+    prompts = serve_prompts(target, eval_cfg, cfg.limit, heldout)
+    requests = [Request(p.id, p.messages, p.input_ids) for p in prompts]
+    max_model_len = max(len(p.input_ids) for p in prompts) + generation.max_new_tokens + 16
+    results = {}
+
+    def timed(engine) -> list[list[int]]:
+        begin = time.perf_counter()
+        replies = engine.generate(requests, seed=0)
+        seconds = time.perf_counter() - begin
+        results[engine.describe()["engine"]] = {"seconds": seconds, "tokens": sum(map(len, replies)), "tokens_per_second": sum(map(len, replies)) / seconds}
+        return replies
+
+    local = timed(engine_for(target, dataclasses.replace(generation, engine="local")))
+    with vllm_server(python, target_dir, target.dtype, max_model_len, out.with_suffix(".log"), cfg.timeout_s) as url:
+        served = dataclasses.replace(generation, engine="server", servers=[ServerConfig(url=url, model="target")])
+        server = timed(engine_for(target, served))
+    summary = {
+        "prompts": len(requests),
+        "max_new_tokens": generation.max_new_tokens,
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "local": results["local"],
+        "vllm": results["server"],
+        "identical_replies": sum(a == b for a, b in zip(local, server)),
+        "faster": "vllm" if results["server"]["tokens_per_second"] > results["local"]["tokens_per_second"] else "local",
+    }
+    atomic_write_text(out, json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,58 @@
+"""The import statements of the package's own source, read without running it.
+
+Two things need them: the workflow, whose jobs take the package files they run
+as inputs (``workflow/rules/common.smk``'s ``package()``), and the preflight's
+``smoke_imports``, which runs every import line the stages write. Stages import
+lazily inside the functions a job runs, so statements are found at any depth
+unless ``module_level_only``; relative imports are resolved to absolute ones.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError"}
+
+
+def _optional(node: ast.Try) -> bool:
+    """A ``try`` whose handler catches ImportError: what it imports may be missing by design."""
+    names = []
+    for handler in node.handlers:
+        kinds = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+        names += [k.id for k in kinds if isinstance(k, ast.Name)]
+    return bool(IMPORT_ERRORS & set(names))
+
+
+def import_statements(path: Path, package_root: Path, module_level_only: bool = False, optional: bool = True) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements of the module at ``path`` (``package_root`` holds its top-level package), in source
+    order, relative ones made absolute, ``from __future__`` left out. ``module_level_only``: not those inside
+    functions or lambdas (what importing the module runs); ``optional=False``: not those guarded by an
+    ``except ImportError``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found, stack = [], list(tree.body)
+    package = list(path.relative_to(package_root).with_suffix("").parts)
+    while stack:
+        node = stack.pop()
+        if module_level_only and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if not optional and isinstance(node, ast.Try) and _optional(node):
+            stack.extend(node.handlers + node.orelse + node.finalbody)
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            if node.level:
+                module = ".".join(package[: -node.level] + ([node.module] if node.module else []))
+                node = ast.copy_location(ast.ImportFrom(module=module, names=node.names, level=0), node)
+            found.append(node)
+        elif isinstance(node, ast.Import):
+            found.append(node)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+    return sorted(found, key=lambda n: n.lineno)
+
+
+def imported_modules(node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The dotted names an import statement may load: ``from a import b`` loads ``a``, and ``a.b`` if a module."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    return [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]

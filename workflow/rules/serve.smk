@@ -1,0 +1,70 @@
+# Opt-in, after train: the trained drafter in vLLM (`snakemake --cores 1 serve_check`); not part of `all`.
+
+
+# vLLM pins a transformers older than the project's: it gets a virtual environment of its own.
+rule serve_env:
+    output:
+        env_manifest=f"{RESULTS}/serve/env.json",
+    params:
+        serve=section("serve", only=["requirements", "uninstall"]),
+        env=lambda wc, output: Path(output.env_manifest).parent / "env",
+    conda:
+        ENV
+    log:
+        f"{LOGS}/serve_env.log",
+    shell:
+        "python -m dflash serve-env --serve {params.serve:q} --env {params.env} --out {output.env_manifest} > {log} 2>&1"
+
+
+rule serve_check:
+    input:
+        # vllm_runner.py runs in vLLM's environment, by its path.
+        package("serving", "vllm_runner"),
+        env_manifest=rules.serve_env.output.env_manifest,
+        manifest=rules.prepare_target.output[0],
+        drafter=rules.train.output.drafter,
+        heldout=rules.prepare_data.output.heldout,
+    output:
+        summary=f"{RESULTS}/serve/vllm.json",
+        per_prompt=f"{RESULTS}/serve/vllm.csv",
+    params:
+        serve=section("serve", without=["requirements", "uninstall"]),
+        eval=section("eval", only=["block_size", "sets", "target_dtype"]),
+        topology=section("topology", only=["device"]),
+        out_dir=lambda wc, output: Path(output.summary).parent,
+    resources:
+        **gpu_resources(1, [0]),
+    conda:
+        ENV
+    log:
+        f"{LOGS}/serve_check.log",
+    shell:
+        "python -m dflash serve-check --serve {params.serve:q} --eval {params.eval:q} --topology {params.topology:q} "
+        "--env-manifest {input.env_manifest} --target-manifest {input.manifest} --drafter {input.drafter} "
+        "--heldout {input.heldout} --out-dir {params.out_dir} > {log} 2>&1"
+
+
+# vLLM as the regeneration engine: `vllm serve` on 127.0.0.1, started and stopped here, against the local engine.
+rule serve_regeneration:
+    input:
+        package("serving"),
+        env_manifest=rules.serve_env.output.env_manifest,
+        manifest=rules.prepare_target.output[0],
+        heldout=rules.prepare_data.output.heldout,
+    output:
+        f"{RESULTS}/serve/regeneration.json",
+    params:
+        serve=section("serve", only=["limit", "timeout_s"]),
+        eval=section("eval", only=["sets"]),
+        data=data_section(transport=False),
+        topology=section("topology", only=["device"]),
+    resources:
+        **gpu_resources(1, [0]),
+    conda:
+        ENV
+    log:
+        f"{LOGS}/serve_regeneration.log",
+    shell:
+        "python -m dflash serve-regeneration --serve {params.serve:q} --eval {params.eval:q} --data {params.data:q} "
+        "--topology {params.topology:q} --env-manifest {input.env_manifest} --target-manifest {input.manifest} "
+        "--heldout {input.heldout} --out {output} > {log} 2>&1"
