@@ -71,7 +71,12 @@ def prepare_data(args, s) -> None:
     # One process per device of the topology, as torchrun started them (the launcher resource of the rule).
     layout = distributed.join(s["topology"].device)
     target = load_from_manifest(args.target_manifest, device=layout.device, dtype=preparation_dtype(s["data"].generation.dtype, layout.device))
-    card = run(s["data"], args.seed, target, args.out_dir, args.chunk_dir, layout)
+    vllm = None
+    if args.vllm_env is not None:
+        from dflash.generation import VllmTarget
+
+        vllm = VllmTarget.of(args.vllm_env, args.target_manifest)
+    card = run(s["data"], args.seed, target, args.out_dir, args.chunk_dir, layout, vllm)
     if card is not None:
         print(
             f"prepare_data: {card.samples} training samples ({card.response_tokens} response tokens, {card.regenerated_samples} regenerated), "
@@ -106,20 +111,27 @@ def serve_env(args, s) -> None:
     from dflash.io import atomic_write_text
     from dflash.serving import build_env
 
-    versions = build_env(args.env, s["serve"])
-    atomic_write_text(args.out, json.dumps(versions, indent=2) + "\n")
-    print(f"vLLM {versions['vllm']} (torch {versions['torch']}, transformers {versions['transformers']}) in {args.env}")
+    try:
+        manifest = build_env(args.env, s["serve"])
+        print(f"vLLM {manifest['vllm']} (torch {manifest['torch']}, transformers {manifest['transformers']}) in {args.env}")
+    except DFlashError as err:
+        if not args.optional:
+            raise
+        # data.generation.engine: auto regenerates with the local engine instead.
+        manifest = {"available": False, "reason": str(err).splitlines()[0]}
+        print(f"serve-env: vLLM's environment is not available, and the local engine regenerates instead: {err}")
+    atomic_write_text(args.out, json.dumps(manifest, indent=2) + "\n")
 
 
 def serve_check(args, s) -> None:
     import torch
 
     from dflash.preflight.gate import first_device
-    from dflash.serving import run_serve_check
+    from dflash.serving import read_env, run_serve_check
     from dflash.target import load_from_manifest, manifest_location
 
     target = load_from_manifest(args.target_manifest, device=first_device(s["topology"]), dtype=getattr(torch, s["eval"].target_dtype))
-    python = json.loads(args.env_manifest.read_text())["python"]
+    python = read_env(args.env_manifest)["python"]
     target_dir = manifest_location(json.loads(args.target_manifest.read_text()))
     summary = run_serve_check(s["serve"], s["eval"], python, target, target_dir, args.drafter, args.heldout, args.out_dir)
     for arm, result in summary["acceptance"].items():
@@ -128,13 +140,13 @@ def serve_check(args, s) -> None:
 
 def serve_regeneration(args, s) -> None:
     from dflash.preflight.gate import first_device
-    from dflash.serving import compare_regeneration_engines
+    from dflash.serving import compare_regeneration_engines, read_env
     from dflash.target import load_from_manifest, manifest_location, preparation_dtype
 
     device = first_device(s["topology"])
     generation = s["data"].generation
     target = load_from_manifest(args.target_manifest, device=device, dtype=preparation_dtype(generation.dtype, device))
-    python = json.loads(args.env_manifest.read_text())["python"]
+    python = read_env(args.env_manifest)["python"]
     target_dir = manifest_location(json.loads(args.target_manifest.read_text()))
     summary = compare_regeneration_engines(s["serve"], s["eval"], generation, python, target, target_dir, args.heldout, args.out)
     print(f"local {summary['local']['tokens_per_second']:.1f} tokens/s, vLLM {summary['vllm']['tokens_per_second']:.1f} tokens/s")
@@ -183,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add(sub, "prepare-data", "prompts → target responses → training samples", prepare_data, sections, ["target_manifest", "out_dir", "chunk_dir"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--transport", type=_json_object, default={}, help=f"data.generation's {', '.join(C.TRANSPORT_KEYS)}, as JSON (over --data's)")
+    p.add_argument("--vllm-env", type=Path, default=None, help="the manifest of vLLM's environment (serve_env), for engines vllm and auto")
     sections = {"drafter": C.DrafterConfig, "train": C.TrainConfig, "topology": C.TopologyConfig, "tracking": C.TrackingConfig}
     p = _add(sub, "train", "train the drafter", train, sections, ["target_manifest", "samples", "out_dir", "checkpoint_dir"])
     p.add_argument("--validation", type=Path, default=None, help="validation samples (never trained on)")
@@ -191,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     paths = ["target_manifest", "drafter", "heldout", "validation", "out_dir"]
     _add(sub, "evaluate", "speculative decoding on the evaluation sets", evaluate, {"eval": C.EvalConfig, "topology": C.TopologyConfig}, paths)
     _add(sub, "report", "plots and an HTML summary", report, {}, ["metrics", "train_summary", "card", "eval_summary", "out_dir"])
-    _add(sub, "serve-env", "build vLLM's own environment (serve.requirements)", serve_env, {"serve": C.ServeConfig}, ["env", "out"])
+    p = _add(sub, "serve-env", "build vLLM's own environment (serve.requirements)", serve_env, {"serve": C.ServeConfig}, ["env", "out"])
+    p.add_argument("--optional", action="store_true", help="record a failure in --out and exit 0 (data.generation.engine: auto)")
     sections = {"serve": C.ServeConfig, "eval": C.EvalConfig, "topology": C.TopologyConfig}
     paths = ["env_manifest", "target_manifest", "drafter", "heldout", "out_dir"]
     _add(sub, "serve-check", "the trained drafter in vLLM: acceptance against ours, outputs, tokens/s", serve_check, sections, paths)

@@ -77,7 +77,9 @@ class GenerationConfig:
     temperature: float = bounded(0.0, ge=0.0)
     top_p: float = bounded(1.0, gt=0.0, le=1.0)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the target's while it regenerates (auto: bf16 where native)
-    engine: Literal["local", "server"] = "local"  # local: the target in every process of the topology; server: data.generation.servers
+    # local: the target in every process of the topology; server: data.generation.servers; vllm: vLLM's server of the
+    # target, started by the stage from the environment serve_env builds; auto: vllm where that environment builds, else local.
+    engine: Literal["auto", "local", "server", "vllm"] = "local"
     batching: Literal["auto", "padded", "continuous"] = "auto"  # local: padded generate batches, or continuous batching (auto: on CUDA)
     servers: list[ServerConfig] = field(default_factory=list)
     concurrency: int = bounded(64, ge=1)  # requests in flight per server

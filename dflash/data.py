@@ -30,7 +30,7 @@ from dflash import distributed
 from dflash.config import EMBEDDED, SHAREGPT, DataConfig, local_path
 from dflash.distributed import Layout
 from dflash.errors import InputError, MissingInputError
-from dflash.generation import Request, engine_for, regenerate
+from dflash.generation import Request, VllmTarget, open_engine, regenerate
 from dflash.target import Target
 
 log = logging.getLogger(__name__)
@@ -260,15 +260,17 @@ class Plan:
         return build_samples(self.conversations, self.prompt_ids, responses, cfg.max_length, target.eos_token_ids, card, self.regenerated)
 
 
-def prepare_data(cfg: DataConfig, seed: int, target: Target, out_dir: Path, chunk_dir: Path, layout: Layout | None = None) -> DataCard | None:
+def prepare_data(
+    cfg: DataConfig, seed: int, target: Target, out_dir: Path, chunk_dir: Path, layout: Layout | None = None, vllm: VllmTarget | None = None
+) -> DataCard | None:
     """The ``prepare_data`` stage: prompts → split → responses → ``train.parquet``, ``validation.parquet``, ``heldout.jsonl``, ``card.json``.
 
     The held-out split never trains: its first ``data.heldout_limit`` prompts are stored as
     conversations for evaluation, which decodes them itself; the next ``data.validation``
     become validation samples, on which training measures its per-position accuracy.
     Every rank of the topology calls this and regenerates its chunks of the responses
-    (``dflash.generation``, resumable under ``chunk_dir``); rank 0 writes the outputs and
-    returns the card.
+    (``dflash.generation``, resumable under ``chunk_dir``; ``vllm`` serves the target
+    for engines ``vllm`` and ``auto``); rank 0 writes the outputs and returns the card.
     """
     layout = layout or distributed.single_process(target.device)
     conversations = load_conversations(cfg.prompts.source, cfg.prompts.split)
@@ -285,7 +287,8 @@ def prepare_data(cfg: DataConfig, seed: int, target: Target, out_dir: Path, chun
     # accuracy, τ and the calibration of the drafter's confidence measure what decoding gets.
     plans = [Plan.of(train, cfg.regenerate, cfg, target, card), Plan.of(validation, None, cfg, target, checks_card)]
     requests = [plan.requests() for plan in plans]
-    done = regenerate(requests[0] + requests[1], engine_for(target, cfg.generation), cfg.generation, seed, chunk_dir, layout)
+    with open_engine(target, cfg.generation, layout, vllm, cfg.max_prompt_length + cfg.generation.max_new_tokens, chunk_dir) as engine:
+        done = regenerate(requests[0] + requests[1], engine, cfg.generation, seed, chunk_dir, layout)
     if not layout.is_main:
         return None
     log.info("regenerated %d responses, %d found in complete chunks under %s", done.generated, done.reused, chunk_dir)

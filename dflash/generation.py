@@ -23,12 +23,14 @@ Engines (``data.generation.engine``):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
@@ -224,6 +226,72 @@ class Engine(Protocol):
 
 def engine_for(target: Target, settings: GenerationConfig) -> Engine:
     return ServerEngine(target, settings) if settings.engine == "server" else LocalEngine(target, settings)
+
+
+@dataclass(frozen=True)
+class VllmTarget:
+    """What vLLM needs to serve the target: the environment ``serve_env`` built (its manifest) and the target's directory."""
+
+    env: dict
+    target_dir: str
+
+    @classmethod
+    def of(cls, env_manifest: Path, target_manifest: Path) -> VllmTarget:
+        from dflash.target import manifest_location
+
+        return cls(json.loads(Path(env_manifest).read_text()), manifest_location(json.loads(Path(target_manifest).read_text())))
+
+
+class VllmEngine:
+    """The server engine asking vLLM's OpenAI server of the target, started on 127.0.0.1 at the first request (a
+    stage whose chunks are all complete starts none) and stopped when ``stack`` closes."""
+
+    def __init__(self, target: Target, settings: GenerationConfig, vllm: VllmTarget, max_model_len: int, log_path: Path, stack: ExitStack):
+        self.target, self.settings, self.vllm, self.max_model_len, self.log_path, self.stack = target, settings, vllm, max_model_len, log_path, stack
+        self.server: ServerEngine | None = None
+
+    def describe(self) -> dict:
+        # What shapes a reply: the engine, its version and the target (not the server's URL, new at every start).
+        return {"engine": "vllm", "vllm": self.vllm.env["vllm"], "target": self.target.source, "dtype": str(self.target.dtype)}
+
+    def generate(self, requests: list[Request], seed: int) -> list[list[int]]:
+        if self.server is None:
+            from dflash.serving import vllm_server
+
+            # A prompt with its reply, at most what the target's positions allow (vLLM refuses a longer context).
+            context = min(self.max_model_len, getattr(self.target.config, "max_position_embeddings", None) or self.max_model_len)
+            url = self.stack.enter_context(vllm_server(self.vllm.env["python"], self.vllm.target_dir, self.target.dtype, context, self.log_path))
+            log.info("regeneration on vLLM %s's server at %s (its log: %s)", self.vllm.env["vllm"], url, self.log_path)
+            self.server = ServerEngine(self.target, dataclasses.replace(self.settings, engine="server", servers=[ServerConfig(url=url, model="target")]))
+        return self.server.generate(requests, seed)
+
+
+@contextmanager
+def open_engine(target: Target, settings: GenerationConfig, layout: Layout, vllm: VllmTarget | None, max_model_len: int, log_dir: Path):
+    """The engine ``data.generation.engine`` names, for the block: ``vllm`` (and ``auto`` where vLLM's environment
+    was built, in one process) asks vLLM's OpenAI server of the target, stopped when the block ends; ``auto``
+    falls back to the local engine, saying why."""
+    kind = settings.engine
+    if kind == "auto":
+        why = "no environment was built" if vllm is None else vllm.env.get("reason")
+        kind = "vllm" if vllm is not None and vllm.env.get("available") and layout.world == 1 else "local"
+        if kind == "local":
+            log.info("regeneration on the local engine: vLLM's is not available (%s)", why if layout.world == 1 else f"{layout.world} processes")
+    if kind != "vllm":
+        yield engine_for(target, settings)
+        return
+    if vllm is None:
+        raise InputError("data.generation.engine is 'vllm', and no vLLM environment was given (the workflow's serve_env builds it)")
+    if layout.world > 1:
+        raise InputError(
+            f"data.generation.engine 'vllm' serves the target from one process, and the topology runs {layout.world}: "
+            "use 'local', or 'server' with your own servers"
+        )
+    if not vllm.env.get("available"):
+        raise InputError(f"data.generation.engine is 'vllm', and vLLM's environment is not available ({vllm.env.get('reason')}): fix that, or use 'local'")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        yield VllmEngine(target, settings, vllm, max_model_len, log_dir / "vllm-server.log", stack)
 
 
 # -- chunks on disk -----------------------------------------------------------------------------------

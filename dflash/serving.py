@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+SERVER_STARTUP_S = 1800  # torch.compile of the model on a CPU takes minutes the first time (then vLLM caches it)
 # In-process engine: vLLM's engine-core process adds nothing to one request at a time, and on a CPU it reserves a
 # core of its own for the scheduler (of 2 here). vLLM also cuts torch to 1 thread unless OMP_NUM_THREADS is set.
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
@@ -96,7 +97,15 @@ def build_env(env: Path, cfg: ServeConfig) -> dict:
         _run([str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *cfg.uninstall], f"pip uninstall {' '.join(cfg.uninstall)}")
     probe = "import json, torch, transformers, vllm; from vllm import LLM; print(json.dumps({m.__name__: m.__version__ for m in (vllm, torch, transformers)}))"
     versions = json.loads(_run([str(python), "-c", probe], f"importing vLLM in {env} (serve.requirements, serve.uninstall)").strip().splitlines()[-1])
-    return {"python": str(python)} | versions
+    return {"available": True, "python": str(python)} | versions
+
+
+def read_env(path: Path) -> dict:
+    """The environment ``serve_env`` built (its manifest at ``path``), or an ``InputError`` saying why there is none."""
+    manifest = json.loads(Path(path).read_text())
+    if not manifest.get("available"):
+        raise InputError(f"vLLM's environment is not available ({manifest.get('reason')}): fix that and rebuild it with `snakemake --forcerun serve_env`")
+    return manifest
 
 
 @dataclass
@@ -277,7 +286,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def vllm_server(python: str, target_dir: str, dtype: torch.dtype, max_model_len: int, log_path: Path, timeout: int):
+def vllm_server(python: str, target_dir: str, dtype: torch.dtype, max_model_len: int, log_path: Path, timeout: int = SERVER_STARTUP_S):
     """vLLM's OpenAI-compatible server of the target on 127.0.0.1 (served as ``target``) for the block: its base URL.
     Start-up waits until it answers, fails at once naming its log if it exits, and the server is stopped after."""
     port = free_port()

@@ -155,19 +155,12 @@ def server(inputs):
     process.wait(timeout=60)
 
 
-def test_server_regeneration_equals_in_process_greedy_regeneration(tmp_path, inputs, server):
-    """What is compared: each sample's tokens. The prompt's must be identical: both paths apply the target's chat
-    template. A server returns text, not ids, and the random tiny model writes byte tokens that are not valid UTF-8,
-    which no text round-trips; so the server's response must be exactly the target's tokenization of the text of the
-    in-process greedy ids (and its EOS where the model stopped), the same greedy decode seen through text, cut to
-    the same budget of data.generation.max_new_tokens."""
-    max_new_tokens = data_section()["generation"]["max_new_tokens"]
-    local = run(command(inputs, tmp_path / "local", data_section()))
-    served = run(command(inputs, tmp_path / "server", data_section(engine="server", servers=[server], concurrency=4)))
-    assert reused(local) == reused(served) == (len(PROMPTS) - 1, 0)
-    expected, got = samples(tmp_path / "local"), samples(tmp_path / "server")
+def assert_served_as_local(model: Path, local: Path, served: Path, max_new_tokens: int) -> None:
+    """The samples regenerated through a server (in ``served``) are those regenerated in process (in ``local``), seen
+    through text: the prompts identical, each response the target's tokenization of the text of the in-process ids."""
+    expected, got = samples(local), samples(served)
     assert expected["prompt_id"].tolist() == got["prompt_id"].tolist()
-    target = Target.load(str(inputs["model"]))
+    target = Target.load(str(model))
     tokenizer, eos = target.tokenizer, set(target.eos_token_ids)
     for (ids, mask), (served_ids, served_mask) in zip(zip(expected["input_ids"], expected["loss_mask"]), zip(got["input_ids"], got["loss_mask"])):
         prompt, response = [t for t, m in zip(ids, mask) if not m], [t for t, m in zip(ids, mask) if m]
@@ -176,6 +169,18 @@ def test_server_regeneration_equals_in_process_greedy_regeneration(tmp_path, inp
         as_text = tokenizer.encode(tokenizer.decode(body, skip_special_tokens=True), add_special_tokens=False) + response[len(body) :]
         as_text = as_text[:max_new_tokens]  # the response budget, as in-process
         assert response and [t for t, m in zip(served_ids, served_mask) if m] == as_text  # never two empty sides
+
+
+def test_server_regeneration_equals_in_process_greedy_regeneration(tmp_path, inputs, server):
+    """What is compared: each sample's tokens. The prompt's must be identical: both paths apply the target's chat
+    template. A server returns text, not ids, and the random tiny model writes byte tokens that are not valid UTF-8,
+    which no text round-trips; so the server's response must be exactly the target's tokenization of the text of the
+    in-process greedy ids (and its EOS where the model stopped), the same greedy decode seen through text, cut to
+    the same budget of data.generation.max_new_tokens."""
+    local = run(command(inputs, tmp_path / "local", data_section()))
+    served = run(command(inputs, tmp_path / "server", data_section(engine="server", servers=[server], concurrency=4)))
+    assert reused(local) == reused(served) == (len(PROMPTS) - 1, 0)
+    assert_served_as_local(inputs["model"], tmp_path / "local", tmp_path / "server", data_section()["generation"]["max_new_tokens"])
     # Resumable as the local engine: a rerun sends nothing.
     assert reused(run(command(inputs, tmp_path / "server", data_section(engine="server", servers=[server], concurrency=4)))) == (0, len(PROMPTS) - 1)
 

@@ -66,6 +66,23 @@ def test_the_full_vocabulary_copy_drops_only_the_draft_vocabulary(tmp_path):
     assert DFlashDrafter.from_pretrained(tmp_path / "drafter").draft_vocab.token_ids.tolist() == [5, 9, MASK]
 
 
+def test_the_regeneration_engine_falls_back_to_local_only_under_auto(tmp_path):
+    from dflash.config import GenerationConfig
+    from dflash.distributed import Layout, single_process
+    from dflash.errors import InputError
+    from dflash.generation import LocalEngine, VllmTarget, open_engine
+
+    target = build_target(qwen3_config(), seed=1)
+    missing = VllmTarget({"available": False, "reason": "pip install failed"}, "unused")
+    one, four = single_process("cpu"), Layout(torch.device("cpu"), world=4, drafter_world=4)
+    for vllm, layout in ((None, one), (missing, one), (missing, four)):
+        with open_engine(target, GenerationConfig(engine="auto"), layout, vllm, 64, tmp_path) as engine:
+            assert isinstance(engine, LocalEngine)
+    for vllm, layout, reason in ((None, one, "no vLLM environment"), (missing, one, "pip install failed"), (missing, four, "runs 4")):
+        with pytest.raises(InputError, match=reason), open_engine(target, GenerationConfig(engine="vllm"), layout, vllm, 64, tmp_path):
+            pass
+
+
 # -- vLLM itself -----------------------------------------------------------------------------------------
 
 # vLLM's CPU attention takes head sizes from 32 up.
@@ -130,3 +147,26 @@ def test_vllm_and_our_decoding_agree_on_a_trained_looking_drafter(tmp_path, vllm
         lengths += ours.stats.acceptance_lengths
     ours, theirs = acceptance(lengths, 4), vllm_acceptance(result["prompts"], 4)
     assert differences(ours, theirs, ServeConfig().tolerance) == [], (ours, theirs)
+
+
+@pytest.mark.vllm
+def test_vllm_regenerates_what_the_local_engine_does(tmp_path, vllm_python):
+    """``data.generation.engine: vllm``: the stage starts vLLM's server of the tiny chat target and stops it; its
+    samples are the in-process ones seen through text; a rerun finds every chunk complete and starts no server."""
+    from test_generation import PROMPTS, assert_served_as_local, command, data_section, reused, run
+    from tiny_chat_target import build_tiny_inputs
+
+    from dflash.target import write_manifest
+
+    tiny = build_tiny_inputs(tmp_path / "tiny", **VLLM_SHAPE)
+    inputs = {"model": tiny / "target", "manifest": tmp_path / "target.json", "prompts": tmp_path / "prompts.jsonl"}
+    write_manifest(str(inputs["model"]), "float32", inputs["manifest"])
+    inputs["prompts"].write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    env = tmp_path / "env.json"
+    env.write_text(json.dumps({"available": True, "python": vllm_python, "vllm": "under test"}))
+    local = run(command(inputs, tmp_path / "local", data_section()))
+    served_command = command(inputs, tmp_path / "vllm", data_section(engine="vllm")) + ["--vllm-env", str(env)]
+    served = run(served_command)
+    assert "regeneration on vLLM" in served and reused(local) == reused(served) == (len(PROMPTS) - 1, 0)
+    assert_served_as_local(inputs["model"], tmp_path / "local", tmp_path / "vllm", data_section()["generation"]["max_new_tokens"])
+    assert reused(run(served_command)) == (0, len(PROMPTS) - 1)

@@ -84,8 +84,8 @@ def build_tokenizer(vocab_size: int = 384):
     return tokenizer
 
 
-def build_tiny_chat_target(out_dir: str | Path, seed: int = 0) -> Path:
-    """Save a random tiny Llama and its ChatML tokenizer into ``out_dir``; returns ``out_dir``."""
+def build_tiny_chat_target(out_dir: str | Path, seed: int = 0, **shape) -> Path:
+    """Save a random tiny Llama (``shape`` over the tiny shape) and its ChatML tokenizer into ``out_dir``; returns ``out_dir``."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -97,7 +97,7 @@ def build_tiny_chat_target(out_dir: str | Path, seed: int = 0) -> Path:
         bos_token_id=ids[BOS],
         eos_token_id=ids[EOS],
         pad_token_id=ids[PAD],
-        **TINY_LLAMA,
+        **(TINY_LLAMA | shape),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -129,11 +129,11 @@ TRAIN_PROMPTS = [
 EVAL_PROMPTS = ["What is a draft model?", "Write a test for a sort function.", "Tell me about trees."]
 
 
-def build_tiny_inputs(directory: str | Path, seed: int = 0) -> Path:
+def build_tiny_inputs(directory: str | Path, seed: int = 0, **shape) -> Path:
     """``target/`` (the tiny chat model), ``prompts.jsonl`` (``prompt`` records) and ``eval_prompts.jsonl``
     (``messages`` records with a system turn) under ``directory``, as ``config/test.yaml`` expects."""
     directory = Path(directory)
-    build_tiny_chat_target(directory / "target", seed=seed)
+    build_tiny_chat_target(directory / "target", seed=seed, **shape)
     with open(directory / "prompts.jsonl", "w") as f:
         for prompt in TRAIN_PROMPTS:
             f.write(json.dumps({"prompt": prompt}) + "\n")

@@ -34,6 +34,10 @@ LOGS = f"{RESULTS}/logs"
 # The verdict of the preflight checks that take seconds (env_check, then smoke_imports): every expensive stage waits for it.
 PREFLIGHT_FAST = f"{RESULTS}/preflight/smoke_imports.json"
 ENV = "../../envs/dflash.yaml"
+# vLLM's own environment (serve_env): the serve checks run in it, and regeneration where data.generation.engine is
+# vllm, or auto (then it may record that vLLM is unavailable, and the local engine regenerates).
+VLLM_ENV_MANIFEST = f"{RESULTS}/serve/env.json"
+VLLM_REGENERATES = CFG.data.generation.engine in ("auto", "vllm")
 
 # Shell commands run `python -m dflash`: the interpreter running Snakemake, so that a venv works without
 # being activated; under --sdm conda the conda environment of the job provides python instead.

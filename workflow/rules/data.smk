@@ -27,6 +27,7 @@ rule prepare_data:
         local_inputs(CFG.data.prompts.source, embedded=f"{workflow.basedir}/dflash/assets/chat_prompts.jsonl"),
         ancient(PREFLIGHT_FAST),
         manifest=rules.prepare_target.output[0],
+        **({"vllm_env": VLLM_ENV_MANIFEST} if VLLM_REGENERATES else {}),
     output:
         samples=f"{RESULTS}/data/train.parquet",
         validation=f"{RESULTS}/data/validation.parquet",
@@ -39,6 +40,7 @@ rule prepare_data:
         # Complete chunks of regenerated responses, outside the declared outputs (which Snakemake deletes on
         # failure): a rerun regenerates only what no complete chunk holds.
         chunk_dir=f"{RESULTS}/cache/data",
+        vllm_env=lambda wc, input: f"--vllm-env {input.vllm_env}" if VLLM_REGENERATES else "",
     resources:
         # One process per device of the topology regenerates its chunks: resources, not params, so that
         # the same data on another topology is not regenerated (it would be identical).
@@ -55,4 +57,4 @@ rule prepare_data:
         f"{LOGS}/prepare_data.log",
     shell:
         "{resources.launcher} -m dflash prepare-data --data {params.data:q} --transport {resources.transport:q} --topology {resources.topology:q} --seed {params.seed} "
-        "--target-manifest {input.manifest} --out-dir {params.out_dir} --chunk-dir {params.chunk_dir} > {log} 2>&1"
+        "--target-manifest {input.manifest} {params.vllm_env} --out-dir {params.out_dir} --chunk-dir {params.chunk_dir} > {log} 2>&1"

@@ -1,19 +1,22 @@
-# Opt-in, after train: the trained drafter in vLLM (`snakemake --cores 1 serve_check`); not part of `all`.
+# vLLM: its environment (also regeneration's, under data.generation.engine: vllm or auto), and the opt-in checks after
+# train, not part of `all`: `snakemake --cores 1 serve_check` (the trained drafter in vLLM) and serve_regeneration.
 
 
 # vLLM pins a transformers older than the project's: it gets a virtual environment of its own.
 rule serve_env:
     output:
-        env_manifest=f"{RESULTS}/serve/env.json",
+        env_manifest=VLLM_ENV_MANIFEST,
     params:
         serve=section("serve", only=["requirements", "uninstall"]),
         env=lambda wc, output: Path(output.env_manifest).parent / "env",
+        # Under data.generation.engine: auto, a machine where vLLM does not install regenerates on the local engine.
+        optional="--optional" if CFG.data.generation.engine == "auto" else "",
     conda:
         ENV
     log:
         f"{LOGS}/serve_env.log",
     shell:
-        "python -m dflash serve-env --serve {params.serve:q} --env {params.env} --out {output.env_manifest} > {log} 2>&1"
+        "python -m dflash serve-env --serve {params.serve:q} --env {params.env} {params.optional} --out {output.env_manifest} > {log} 2>&1"
 
 
 rule serve_check:
