@@ -58,7 +58,8 @@ RUNNER = Path(__file__).with_name("vllm_runner.py")
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 SERVER_STARTUP_S = 1800  # torch.compile of the model on a CPU takes minutes the first time (then vLLM caches it)
 # In-process engine: vLLM's engine-core process adds nothing to one request at a time, and on a CPU it reserves a
-# core of its own for the scheduler (of 2 here). vLLM also cuts torch to 1 thread unless OMP_NUM_THREADS is set.
+# core of its own for the scheduler (of 2 here). A KV cache of a stated size: without one, vLLM's CPU worker claims
+# 92% of the memory and refuses to start when less is free. vLLM also cuts torch to 1 thread unless OMP_NUM_THREADS says.
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
 NUMERICS_CAVEAT = (
     "vLLM's CPU kernels (its attention and GEMMs) round differently from ours in fp32: greedy decoding may take the other "
