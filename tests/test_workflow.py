@@ -195,10 +195,11 @@ def test_test_config_sets_every_key_the_default_sets(test_config):
 
 
 def test_default_config_dry_run_of_train(tmp_path):
-    """`snakemake --cores 1 -n train` with the shipped CPU config plans the preflight, data and training jobs."""
+    """`snakemake --cores 1 -n train` with the shipped CPU config plans the preflight, data and training jobs, and
+    vLLM's environment, in which regeneration runs where it builds (data.generation.engine: auto)."""
     workdir = make_workdir(tmp_path / "work")
     result = run_snakemake(workdir, snakemake_env(tmp_path / "scratch"), "--cores", "1", "-n", "train", timeout=300)
-    assert jobs(result) == TRAIN_JOBS
+    assert jobs(result) == TRAIN_JOBS | {"serve_env"}
     assert not (workdir / "results").exists()
 
 
