@@ -109,7 +109,7 @@ def evaluate(args, s) -> None:
 
 def serve_env(args, s) -> None:
     from dflash.io import atomic_write_text
-    from dflash.serving import build_env
+    from dflash.vllm_env import build_env
 
     try:
         manifest = build_env(args.env, s["serve"])
@@ -127,8 +127,9 @@ def serve_check(args, s) -> None:
     import torch
 
     from dflash.preflight.gate import first_device
-    from dflash.serving import read_env, run_serve_check
+    from dflash.serving import run_serve_check
     from dflash.target import load_from_manifest, manifest_location
+    from dflash.vllm_env import read_env
 
     target = load_from_manifest(args.target_manifest, device=first_device(s["topology"]), dtype=getattr(torch, s["eval"].target_dtype))
     python = read_env(args.env_manifest)["python"]
@@ -140,8 +141,9 @@ def serve_check(args, s) -> None:
 
 def serve_regeneration(args, s) -> None:
     from dflash.preflight.gate import first_device
-    from dflash.serving import compare_regeneration_engines, read_env
+    from dflash.serving import compare_regeneration_engines
     from dflash.target import load_from_manifest, manifest_location, preparation_dtype
+    from dflash.vllm_env import read_env
 
     device = first_device(s["topology"])
     generation = s["data"].generation

@@ -19,6 +19,9 @@ Engines (``data.generation.engine``):
 - ``server``: chat completions sent concurrently to one or more servers (vLLM,
   SGLang, ``transformers serve``); each reply is tokenized as the chat template
   renders it after the prompt, exactly as a given reply is (``Target.reply_ids``).
+- ``vllm``: the same, to vLLM's server of the target, which the stage starts from
+  vLLM's own environment (``dflash.vllm_env``) and stops; ``auto``: ``vllm`` where
+  that environment was built, else ``local`` (``open_engine``).
 """
 
 from __future__ import annotations
@@ -256,7 +259,7 @@ class VllmEngine:
 
     def generate(self, requests: list[Request], seed: int) -> list[list[int]]:
         if self.server is None:
-            from dflash.serving import vllm_server
+            from dflash.vllm_env import vllm_server
 
             # A prompt with its reply, at most what the target's positions allow (vLLM refuses a longer context).
             context = min(self.max_model_len, getattr(self.target.config, "max_position_embeddings", None) or self.max_model_len)

@@ -91,7 +91,7 @@ VLLM_SHAPE = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
 
 @pytest.fixture(scope="module")
 def vllm_python() -> str:
-    from dflash.serving import build_env
+    from dflash.vllm_env import build_env
 
     env = Path(os.environ.get("DFLASH_VLLM_ENV", Path.home() / ".cache" / "dflash" / "vllm-env"))
     return build_env(env, ServeConfig())["python"]
