@@ -16,7 +16,7 @@ per row count) the model is left as it is.
 The draft side needs no exactness (whatever it proposes, the target decides),
 only speed. Each proposal streams the drafter's weights and its head from
 memory after a target forward has evicted them from cache, so its cost is
-their size: ``quantize_linears`` stores them as int8 per output channel and
+their size: ``draft_linears`` stores them as int8 per output channel and
 runs fbgemm's dynamic-quantization linear, a quarter of the bytes. torch has
 deprecated its quantized tensors (pytorch#184982); where they are gone, or
 on CUDA, the drafter falls back to the target's kernel.

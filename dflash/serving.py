@@ -37,7 +37,7 @@ import pandas as pd
 import torch
 
 from dflash.config import EvalConfig, GenerationConfig, ServeConfig, ServerConfig
-from dflash.decode import speculative_generate
+from dflash.decode import DecodeStats, speculative_generate
 from dflash.errors import InputError
 from dflash.evaluate import eval_conversations
 from dflash.io import atomic_write_text
@@ -100,9 +100,9 @@ def drafter_over_full_vocab(drafter_dir: Path, out: Path) -> Path:
 
 
 def acceptance(lengths: list[int], block_size: int) -> dict:
-    """Ours, pooled over verify steps: τ (mean accepted drafts + 1) and the share of steps accepting position k."""
-    steps = max(1, len(lengths))
-    return {"tau": sum(lengths) / steps, "per_position": [sum(n - 1 >= k for n in lengths) / steps for k in range(1, block_size)], "steps": len(lengths)}
+    """Ours, pooled over the verify steps of every prompt: τ and per-position acceptance as ``DecodeStats`` counts them."""
+    pooled = DecodeStats(block_size=block_size, num_input_tokens=0, num_output_tokens=0, acceptance_lengths=lengths)
+    return {"tau": pooled.tau, "per_position": pooled.per_position_acceptance, "steps": len(lengths)}
 
 
 def vllm_acceptance(rows: list[dict], block_size: int) -> dict:
