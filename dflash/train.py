@@ -32,7 +32,16 @@ from dflash.config import DrafterConfig, TrainConfig
 from dflash.distributed import Layout, all_reduce_sum
 from dflash.features import CachedFeatures, HiddenStateCache, Meter, OnlineFeatures, total_rate
 from dflash.model import DFlashConfig
-from dflash.step import ValidationData, compile_drafter, drafter_config_for, normalise_globally, train_step, training_drafter, validation_metrics
+from dflash.step import (
+    ValidationData,
+    compile_drafter,
+    drafter_config_for,
+    initialise_from_target,
+    normalise_globally,
+    train_step,
+    training_drafter,
+    validation_metrics,
+)
 from dflash.target import Target, preparation_dtype
 from dflash.transport import ReceivedFeatures, serve_features
 from dflash.vocab import DraftVocab
@@ -327,6 +336,8 @@ def _train(run: RunContext, batches: Batches, first: int, checkpoint: Path | Non
     layout, cfg, schedule = run.layout, run.cfg, run.schedule
     torch.manual_seed(schedule.seed)
     drafter = training_drafter(run.config, cfg, layout.device)
+    if cfg.init == "target" and checkpoint is None:
+        log.info("drafter layers start as the target's layers %s", initialise_from_target(drafter, run.target))
     distributed.shard(drafter, layout)
     forward = distributed.replicate(compile_drafter(drafter, cfg.compile), layout)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
