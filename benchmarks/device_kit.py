@@ -199,6 +199,7 @@ def regeneration(spec: dict) -> dict:
 
 
 def decode(spec: dict) -> dict:
+    from dflash.config import DrafterConfig
     from dflash.decode import PromptLookup, speculative_generate
     from dflash.model import DFlashConfig, DFlashDrafter
     from dflash.policy import measure_verify_cost
@@ -210,7 +211,7 @@ def decode(spec: dict) -> dict:
     # Exactness in fp32 (a bf16 verify of 16 tokens and a 1-token step round differently), on a shallow target.
     shallow = random_target(spec["target"], torch.float32, layers=spec["shallow_layers"], seed=1)
     vocab = spec["target"]["vocab_size"]
-    config = DFlashConfig.for_target(shallow.config, mask_token_id=vocab - 1, num_hidden_layers=1, num_context_features=2, block_size=16)
+    config = DFlashConfig.for_target(shallow.config, DrafterConfig(num_hidden_layers=1, num_context_features=2, block_size=16), vocab - 1)
     torch.manual_seed(2)
     drafter = DFlashDrafter(config).to(dev).eval()
     prompts = samples_for(spec, 3, seed=2)

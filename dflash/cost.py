@@ -8,11 +8,10 @@ prints the balance they imply for a config; ``warmup_cache`` compares the memory
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from dflash.config import TrainConfig
-from dflash.objective import default_gamma
+from dflash.objective import decay_weights, default_gamma
 
 
 @dataclass(frozen=True)
@@ -63,8 +62,7 @@ def drafter_flops(drafter: Shape, features: int, tokens: int, cfg: TrainConfig, 
     layers = drafter.layers * (3 * 2 * queries * drafter.layer_params + 3 * 2 * tokens * 2 * drafter.hidden * kv)
     attention = drafter.layers * 3 * 2 * 2 * queries * (tokens / 2 + block_size) * drafter.heads * drafter.head_dim
     # Weighted positions per block: the decay's sum (sampled loss positions keep about that many).
-    gamma = cfg.gamma or default_gamma(block_size)
-    kept = sum(math.exp(-(k - 1) / gamma) for k in range(1, block_size)) if cfg.sample_loss_positions else block_size - 1
+    kept = float(decay_weights(block_size, cfg.gamma or default_gamma(block_size)).sum()) if cfg.sample_loss_positions else block_size - 1
     head = 2 * 2 * cfg.max_anchors * kept * drafter.hidden * (vocab or drafter.vocab)
     return fusion + layers + attention + head
 
@@ -89,21 +87,15 @@ class Memory:
         return sum(asdict(self).values())
 
 
-def drafter_rank_memory(
-    target: Shape,
-    drafter: Shape,
-    features: int,
-    rows: int,
-    tokens: int,
-    cfg: TrainConfig,
-    block_size: int,
-    target_bytes: int,
-    holds_layers: bool,
-    shards: int = 1,
-) -> Memory:
-    """Peak memory of a drafter rank training ``rows`` samples of ``tokens`` (padded) per step."""
+def target_weights(target: Shape, bytes_per_weight: int, holds_layers: bool) -> float:
+    """The bytes of the target a drafter rank holds: its embedding and head, and its layers where it computes them."""
     embedding_and_head = 2 * target.hidden * target.vocab
-    target_weights = target_bytes * (embedding_and_head + (target.layers * target.layer_params if holds_layers else 0))
+    return bytes_per_weight * (embedding_and_head + (target.layers * target.layer_params if holds_layers else 0))
+
+
+def drafter_rank_memory(drafter: Shape, features: int, rows: int, tokens: int, cfg: TrainConfig, block_size: int, target: float, shards: int = 1) -> Memory:
+    """Peak memory of a drafter rank training ``rows`` samples of ``tokens`` (padded) per step, holding ``target``
+    bytes of the target (``target_weights``) and 1/``shards`` of the drafter's training state."""
     params = features * drafter.hidden + drafter.layers * drafter.layer_params
     training_state = 16 * params / shards
     queries = rows * cfg.max_anchors * block_size
@@ -114,4 +106,4 @@ def drafter_rank_memory(
     context = activation_bytes * rows * tokens * (drafter.hidden * 2 + drafter.layers * 2 * drafter.kv_heads * drafter.head_dim)
     inputs = 4 * rows * tokens * features  # the features arrive in fp32
     head = 4 * 2 * min(cfg.head_chunk, queries) * drafter.vocab
-    return Memory(target=target_weights, training_state=training_state, activations=saved + context + inputs, head=head)
+    return Memory(target=target, training_state=training_state, activations=saved + context + inputs, head=head)

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dflash.attention import TrainingMask, attend
-from dflash.config import MIN_BLOCK_SIZE
+from dflash.config import MIN_BLOCK_SIZE, DrafterConfig
 from dflash.errors import InputError, MissingInputError
 from dflash.io import atomic_path, atomic_write_text, discard
 from dflash.vocab import FILE_NAME as VOCAB_FILE
@@ -94,36 +94,24 @@ class DFlashConfig:
             raise InputError("invalid DFlashConfig: " + "; ".join(problems))
 
     @classmethod
-    def for_target(
-        cls,
-        target_config,
-        *,
-        mask_token_id: int,
-        num_hidden_layers: int = 1,
-        num_context_features: int = 5,
-        block_size: int = 16,
-        layer_ids: list[int] | None = None,
-        intermediate_size: int | None = None,
-        num_attention_heads: int | None = None,
-        num_key_value_heads: int | None = None,
-        head_dim: int | None = None,
-    ) -> DFlashConfig:
-        """A drafter shaped like the target's own layers (a transformers config), unless told otherwise."""
+    def for_target(cls, target_config, drafter: DrafterConfig, mask_token_id: int) -> DFlashConfig:
+        """A drafter shaped like the target's own layers (a transformers config), unless the config's ``drafter``
+        section says otherwise (which tokens it drafts, ``draft_vocab_size``, is not its shape: ``dflash.vocab``)."""
         num_target_layers = target_config.num_hidden_layers
         target_heads = target_config.num_attention_heads
         rope = getattr(target_config, "rope_parameters", None) or {}
         return cls(
             hidden_size=target_config.hidden_size,
-            intermediate_size=intermediate_size or target_config.intermediate_size,
-            num_hidden_layers=num_hidden_layers,
-            num_attention_heads=num_attention_heads or target_heads,
-            num_key_value_heads=num_key_value_heads or getattr(target_config, "num_key_value_heads", None) or target_heads,
-            head_dim=head_dim or getattr(target_config, "head_dim", None) or target_config.hidden_size // target_heads,
+            intermediate_size=drafter.intermediate_size or target_config.intermediate_size,
+            num_hidden_layers=drafter.num_hidden_layers,
+            num_attention_heads=drafter.num_attention_heads or target_heads,
+            num_key_value_heads=drafter.num_key_value_heads or getattr(target_config, "num_key_value_heads", None) or target_heads,
+            head_dim=drafter.head_dim or getattr(target_config, "head_dim", None) or target_config.hidden_size // target_heads,
             vocab_size=target_config.vocab_size,
             num_target_layers=num_target_layers,
-            target_layer_ids=list(layer_ids or target_layer_ids(num_target_layers, num_context_features)),
+            target_layer_ids=list(drafter.layer_ids or target_layer_ids(num_target_layers, drafter.num_context_features)),
             mask_token_id=mask_token_id,
-            block_size=block_size,
+            block_size=drafter.block_size,
             rms_norm_eps=target_config.rms_norm_eps,
             rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 1_000_000.0))),
             max_position_embeddings=target_config.max_position_embeddings,

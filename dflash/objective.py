@@ -29,6 +29,15 @@ def default_gamma(block_size: int) -> float:
     raise AssertionError("unreachable")
 
 
+def decay_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """The loss weight of each block position ``[B]``: 0 at the anchor (given), ``exp(-(k-1)/gamma)`` at k >= 1,
+    since position k is accepted only after every position before it."""
+    offsets = torch.arange(block_size)
+    weights = torch.exp(-(offsets - 1).clamp(min=0).float() / gamma)
+    weights[0] = 0.0
+    return weights
+
+
 def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to ``max_anchors`` anchor positions per row, drawn without replacement, sorted.
 
@@ -75,20 +84,20 @@ def build_blocks(
     loss_mask: torch.Tensor,
     anchors: torch.Tensor,
     valid: torch.Tensor,
-    block_size: int,
+    position_weights: torch.Tensor,
     mask_token_id: int,
-    gamma: float,
     greedy: torch.Tensor | None = None,
     soft: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Blocks:
-    """``greedy`` ``[b, S]``: the target's greedy next token after each position. Position ``k`` is then
+    """``position_weights`` ``[B]``: the loss weight of each block position (``decay_weights``); its length is the
+    block size. ``greedy`` ``[b, S]``: the target's greedy next token after each position. Position ``k`` is then
     labelled ``greedy[a + k - 1]`` and trained only where ``token[a + j] == greedy[a + j - 1]`` for every
     ``0 < j < k``, so that its label is the target's own continuation of the block; without ``greedy``
     (text the target wrote) the label is ``token[a + k]``. ``soft`` (with ``greedy``): the target's top-k
     next tokens and their probabilities ``[b, S, k]`` after each position, gathered like the labels and
     renormalised over the k."""
     batch, seq_len = input_ids.shape
-    offsets = torch.arange(block_size, device=input_ids.device)
+    offsets = torch.arange(len(position_weights), device=input_ids.device)
     positions = anchors[:, :, None] + offsets  # [b, A, B]
     in_range = positions < seq_len
     gather_at = positions.clamp(max=seq_len - 1).flatten(1)
@@ -96,9 +105,7 @@ def build_blocks(
     in_loss = loss_mask.bool().gather(1, gather_at).view_as(positions)
     block_ids = torch.full_like(positions, mask_token_id)
     block_ids[:, :, 0] = input_ids.gather(1, anchors)
-    decay = torch.exp(-(offsets - 1).clamp(min=0).float() / gamma)
-    decay[0] = 0.0
-    weights = decay * (in_range & in_loss & valid[:, :, None])
+    weights = position_weights.to(input_ids.device) * (in_range & in_loss & valid[:, :, None])
     if greedy is not None:
         predicted = greedy.gather(1, (positions - 1).clamp(min=0, max=seq_len - 1).flatten(1)).view_as(positions)
         agrees = labels == predicted  # the text's token a+k is the target's greedy one

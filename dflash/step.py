@@ -32,14 +32,7 @@ from dflash.vocab import DraftVocab
 def drafter_config_for(target: Target, cfg: DrafterConfig) -> DFlashConfig:
     """The drafter's shape for ``target`` (the config's ``drafter`` section; the mask token defaults to an unused special token)."""
     mask_token_id = target.default_mask_token_id() if cfg.mask_token_id is None else cfg.mask_token_id
-    return drafter_shape(target.config, cfg, mask_token_id)
-
-
-def drafter_shape(target_config, cfg: DrafterConfig, mask_token_id: int) -> DFlashConfig:
-    """The drafter's shape from the target's transformers config alone (no weights, no tokenizer)."""
-    options = dataclasses.asdict(cfg) | {"mask_token_id": mask_token_id}
-    del options["draft_vocab_size"]  # which tokens it drafts, not its shape: dflash.vocab
-    return DFlashConfig.for_target(target_config, **options)
+    return DFlashConfig.for_target(target.config, cfg, mask_token_id)
 
 
 def training_drafter(config: DFlashConfig, cfg: TrainConfig, device: torch.device) -> DFlashDrafter:

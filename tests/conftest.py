@@ -61,13 +61,13 @@ def build_target(config, seed: int = 0):
     return Target.from_model(model, tokenizer=None)
 
 
-def build_drafter(target_config, seed: int = 0, init_std: float = 0.02, **kwargs):
+def build_drafter(target_config, seed: int = 0, init_std: float = 0.02, mask_token_id: int = MASK, **kwargs):
     """A random drafter shaped for ``target_config`` (2 layers, 3 context features, block 8 unless overridden)."""
+    from dflash.config import DrafterConfig
     from dflash.model import DFlashConfig, DFlashDrafter
 
-    options = dict(mask_token_id=MASK, num_hidden_layers=2, num_context_features=3, block_size=8)
-    options.update(kwargs)
-    config = DFlashConfig.for_target(target_config, **options)
+    options = dict(num_hidden_layers=2, num_context_features=3, block_size=8) | kwargs
+    config = DFlashConfig.for_target(target_config, DrafterConfig(**options), mask_token_id)
     config = dataclasses.replace(config, initializer_range=init_std)
     torch.manual_seed(seed)
     return DFlashDrafter(config).eval()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dflash.config import TrainConfig
-from dflash.cost import Shape, balanced_target_ranks, drafter_flops, drafter_rank_memory, target_flops
+from dflash.cost import Shape, balanced_target_ranks, drafter_flops, drafter_rank_memory, target_flops, target_weights
 
 # hidden 4, intermediate 8, 1 layer, 2 heads of 2, 1 KV head, vocabulary 10.
 SHAPE = Shape(hidden=4, intermediate=8, layers=1, heads=2, kv_heads=1, head_dim=2, vocab=10)
@@ -36,18 +36,17 @@ def test_a_balanced_split():
 
 def test_memory_parts_and_what_reduces_them():
     cfg = TrainConfig(max_anchors=2, precision="fp32", head_chunk=3)
-    memory = drafter_rank_memory(SHAPE, SHAPE, 8, rows=2, tokens=3, cfg=cfg, block_size=2, target_bytes=2, holds_layers=False)
-    assert memory.target == 2 * (2 * 4 * 10)  # embedding and head only, in bf16
+    bf16_head = target_weights(SHAPE, 2, holds_layers=False)
+    assert bf16_head == 2 * (2 * 4 * 10)  # embedding and head only, in bf16
+    assert target_weights(SHAPE, 2, holds_layers=True) == bf16_head + 2 * 144
+    memory = drafter_rank_memory(SHAPE, 8, rows=2, tokens=3, cfg=cfg, block_size=2, target=bf16_head)
+    assert memory.target == bf16_head
     assert memory.training_state == 16 * (8 * 4 + 144)
     assert memory.head == 4 * 2 * 3 * 10
     assert memory.total == memory.target + memory.training_state + memory.activations + memory.head
-    holding = drafter_rank_memory(SHAPE, SHAPE, 8, 2, 3, cfg, 2, target_bytes=2, holds_layers=True)
-    assert holding.target == memory.target + 2 * 144
-    sharded = drafter_rank_memory(SHAPE, SHAPE, 8, 2, 3, cfg, 2, target_bytes=2, holds_layers=False, shards=4)
+    sharded = drafter_rank_memory(SHAPE, 8, 2, 3, cfg, 2, target=bf16_head, shards=4)
     assert sharded.training_state == memory.training_state / 4
     deep = Shape(hidden=4, intermediate=8, layers=6, heads=2, kv_heads=1, head_dim=2, vocab=10)
-    kept = drafter_rank_memory(SHAPE, deep, 8, 2, 3, cfg, 2, 2, False).activations
-    checkpointed = drafter_rank_memory(
-        SHAPE, deep, 8, 2, 3, TrainConfig(max_anchors=2, precision="fp32", activation_checkpointing=True), 2, 2, False
-    ).activations
+    kept = drafter_rank_memory(deep, 8, 2, 3, cfg, 2, bf16_head).activations
+    checkpointed = drafter_rank_memory(deep, 8, 2, 3, TrainConfig(max_anchors=2, precision="fp32", activation_checkpointing=True), 2, bf16_head).activations
     assert checkpointed < kept

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.attention import attend, build_training_mask, dflash_mask_mod
+from dflash.config import DrafterConfig
 from dflash.model import DFlashConfig, DFlashDrafter, DraftCache, target_layer_ids
 
 # -- target_layer_ids -------------------------------------------------------------------------
@@ -41,7 +42,7 @@ def test_target_layer_ids_rejects_impossible_requests():
 
 def test_for_target_takes_the_targets_shape(qwen3_target, llama_target):
     for target in (qwen3_target, llama_target):
-        config = DFlashConfig.for_target(target.config, mask_token_id=126, num_context_features=3)
+        config = DFlashConfig.for_target(target.config, DrafterConfig(num_context_features=3), mask_token_id=126)
         assert config.target_layer_ids == [1, 2, 3]
         assert (config.hidden_size, config.vocab_size, config.num_target_layers) == (64, 128, 6)
         assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dflash.objective import build_blocks, decayed_loss, default_gamma, position_accuracy, sample_anchors
+from dflash.objective import build_blocks, decay_weights, decayed_loss, default_gamma, position_accuracy, sample_anchors
 
 # -- anchors ----------------------------------------------------------------------------------
 
@@ -92,7 +92,7 @@ def test_build_blocks_on_a_hand_made_case():
     anchors = torch.tensor([[1, 3, 4, 0]])
     valid = torch.tensor([[True, True, True, False]])
     gamma = 2.0
-    blocks = build_blocks(input_ids, loss_mask, anchors, valid, block_size=3, mask_token_id=MASK_ID, gamma=gamma)
+    blocks = build_blocks(input_ids, loss_mask, anchors, valid, decay_weights(3, gamma), mask_token_id=MASK_ID)
 
     d1 = 1.0  # exp(-(k-1)/gamma) at k=1
     d2 = math.exp(-1 / gamma)  # at k=2
@@ -124,7 +124,7 @@ def test_greedy_labels_follow_the_targets_continuation_until_the_text_leaves_it(
     greedy = torch.tensor([[11, 12, 13, 40, 15, 41, 17, 0]])
     loss_mask = torch.ones(1, 8)
     anchors, valid = torch.tensor([[1, 4]]), torch.tensor([[True, True]])
-    blocks = build_blocks(input_ids, loss_mask, anchors, valid, block_size=4, mask_token_id=MASK_ID, gamma=1e9, greedy=greedy)
+    blocks = build_blocks(input_ids, loss_mask, anchors, valid, decay_weights(4, 1e9), mask_token_id=MASK_ID, greedy=greedy)
     assert blocks.input_ids.tolist() == [[11, MASK_ID, MASK_ID, MASK_ID, 14, MASK_ID, MASK_ID, MASK_ID]]
     # Labels: greedy[a + k - 1] (position 0 never trains). Weights (no decay at gamma 1e9): after anchor 1 the text
     # agrees at 2 (12) and 3 (13), so position 3, which needs both, trains (label 40, the target's token after 3);
@@ -132,8 +132,8 @@ def test_greedy_labels_follow_the_targets_continuation_until_the_text_leaves_it(
     assert blocks.labels.tolist() == [[11, 12, 13, 40, 40, 15, 41, 17]]
     assert blocks.weights.tolist() == [[0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]]
     # Text the target wrote itself: its greedy tokens are the next tokens, and the labels are the text's own.
-    own = build_blocks(input_ids, loss_mask, anchors, valid, 4, MASK_ID, 1e9, greedy=torch.cat([input_ids[:, 1:], input_ids[:, :1]], 1))
-    plain = build_blocks(input_ids, loss_mask, anchors, valid, 4, MASK_ID, 1e9)
+    own = build_blocks(input_ids, loss_mask, anchors, valid, decay_weights(4, 1e9), MASK_ID, greedy=torch.cat([input_ids[:, 1:], input_ids[:, :1]], 1))
+    plain = build_blocks(input_ids, loss_mask, anchors, valid, decay_weights(4, 1e9), MASK_ID)
     assert torch.equal(own.labels, plain.labels) and torch.equal(own.weights, plain.weights)
 
 
@@ -141,7 +141,7 @@ def test_block_weights_follow_the_recipes_decay():
     input_ids = torch.arange(40)[None]
     loss_mask = torch.ones(1, 40)
     anchors, valid = torch.tensor([[3]]), torch.tensor([[True]])
-    blocks = build_blocks(input_ids, loss_mask, anchors, valid, block_size=16, mask_token_id=MASK_ID, gamma=7.0)
+    blocks = build_blocks(input_ids, loss_mask, anchors, valid, decay_weights(16, 7.0), mask_token_id=MASK_ID)
     expected = [0.0] + [math.exp(-(k - 1) / 7.0) for k in range(1, 16)]
     torch.testing.assert_close(blocks.weights[0], torch.tensor(expected), rtol=1e-6, atol=0)
     assert blocks.labels[0].tolist() == list(range(3, 19))  # block position k predicts the token at anchor + k

@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash.batch import Batch, TargetRow, make_batch
-from dflash.config import TrainConfig
+from dflash.config import DrafterConfig, TrainConfig
 from dflash.model import DFlashConfig
 from dflash.target import Target
 
@@ -32,7 +32,7 @@ def tiny_target(device: str | torch.device = "cpu", seed: int = 0) -> Target:
 
 
 def tiny_drafter_config(target: Target, block_size: int = 4) -> DFlashConfig:
-    return DFlashConfig.for_target(target.config, mask_token_id=target.config.vocab_size - 1, num_context_features=2, block_size=block_size)
+    return DFlashConfig.for_target(target.config, DrafterConfig(num_context_features=2, block_size=block_size), target.config.vocab_size - 1)
 
 
 def synthetic_samples(lengths: list[int], vocab_size: int, seed: int = 0) -> pd.DataFrame:

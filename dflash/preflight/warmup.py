@@ -223,25 +223,23 @@ def check_memory(verdict: WarmupVerdict, device: str, target_manifest, drafter: 
     a run that would not fit fails here, before anything compiles, naming the keys that make it smaller."""
     import psutil
 
-    from dflash.cost import Shape, drafter_rank_memory
-    from dflash.step import drafter_shape
+    from dflash.cost import Shape, drafter_rank_memory, target_weights
+    from dflash.model import DFlashConfig
     from dflash.target import config_from_manifest, preparation_dtype
 
     target_config = config_from_manifest(target_manifest)
-    drafter_config = drafter_shape(target_config, drafter, mask_token_id=0)  # the mask token does not change the cost
+    drafter_config = DFlashConfig.for_target(target_config, drafter, mask_token_id=0)  # the mask token does not change the cost
     rows, length = max(verdict.shapes, key=lambda s: s[0] * s[1])
     torch_device = torch.device(device)
     dtype = preparation_dtype(train.target_dtype, torch_device)
     memory = drafter_rank_memory(
-        Shape.of(target_config),
         Shape.of(drafter_config) if drafter.draft_vocab_size is None else replace(Shape.of(drafter_config), vocab=drafter.draft_vocab_size),
         drafter_config.feature_width,
         rows,
         length,
         train,
         drafter_config.block_size,
-        target_bytes=torch.finfo(dtype).bits // 8,
-        holds_layers=topology.kind == "colocated",
+        target=target_weights(Shape.of(target_config), torch.finfo(dtype).bits // 8, holds_layers=topology.kind == "colocated"),
         shards=topology.drafter_world if topology.data_parallel == "fsdp" else 1,
     )
     available = torch.cuda.get_device_properties(torch_device).total_memory if torch_device.type == "cuda" else psutil.virtual_memory().available
