@@ -1,7 +1,7 @@
 """The import statements of the package's own source, read without running it.
 
 Two things need them: the workflow, whose jobs take the package files they run
-as inputs (``workflow/rules/common.smk``'s ``package()``), and the preflight's
+as inputs (``workflow/rules/common.smk``'s ``stage()``), and the preflight's
 ``smoke_imports``, which runs every import line the stages write. Stages import
 lazily inside the functions a job runs, so statements are found at any depth
 unless ``module_level_only``; relative imports are resolved to absolute ones.
@@ -30,8 +30,34 @@ def import_statements(path: Path, package_root: Path, module_level_only: bool = 
     functions or lambdas (what importing the module runs); ``optional=False``: not those guarded by an
     ``except ImportError``."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    found, stack = [], list(tree.body)
-    package = list(path.relative_to(package_root).with_suffix("").parts)
+    return _collect(tree.body, _package_of(path, package_root), module_level_only, optional)
+
+
+def function_import_statements(path: Path, package_root: Path, function: str) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements that calling the top-level ``function`` of the module at ``path`` runs: its own, at
+    any depth, and those of the module's other top-level functions it calls by name (``cli.py``'s subcommands
+    name the stage modules a job runs this way)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    functions = {node.name: node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    if function not in functions:
+        raise ValueError(f"{path} has no top-level function {function!r}")
+    todo, reached = [function], set()
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            calls = [n.func.id for n in ast.walk(functions[name]) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+            todo += [called for called in calls if called in functions]
+    found = _collect([functions[name] for name in reached], _package_of(path, package_root), module_level_only=False, optional=True)
+    return sorted(found, key=lambda n: n.lineno)
+
+
+def _package_of(path: Path, package_root: Path) -> list[str]:
+    return list(path.relative_to(package_root).with_suffix("").parts)
+
+
+def _collect(nodes: list[ast.AST], package: list[str], module_level_only: bool, optional: bool) -> list[ast.Import | ast.ImportFrom]:
+    found, stack = [], list(nodes)
     while stack:
         node = stack.pop()
         if module_level_only and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):

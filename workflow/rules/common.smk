@@ -10,7 +10,7 @@ from snakemake.utils import validate
 
 sys.path.insert(0, workflow.basedir)
 from dflash.config import EMBEDDED, HELDOUT, HUMANEVAL, TRANSPORT_KEYS, ConfigError, canonical_json, check_local_sources, load_config, to_dict
-from dflash.source_imports import import_statements, imported_modules
+from dflash.source_imports import function_import_statements, import_statements, imported_modules
 
 
 # The typed config first: its messages name the dotted key ("train.lrr: unknown key; allowed keys here
@@ -69,10 +69,10 @@ def data_section(transport):
 
 # The package files a job runs are its inputs: code inside an installed package is otherwise invisible to
 # Snakemake. Found from the import statements, so that a new import is never forgotten: the entry points
-# (`python -m dflash` and the subcommand table) with their module-level imports; the stage modules a rule
-# names with every import they make, at any depth (stages import lazily inside the functions the job runs);
-# and, transitively, the module-level imports of every module imported. A function of a library module that
-# imports lazily is run by a job only if the rule names that module (tests/test_workflow.py checks the
+# (`python -m dflash` and the subcommand table) with their module-level imports; the stage modules, those the
+# job's subcommand in cli.py imports, with every import they make, at any depth (stages import lazily inside
+# the functions the job runs); and, transitively, the module-level imports of every module imported. A library
+# module's lazy imports count only where a stage module imports them (tests/test_workflow.py checks the
 # modules each job imported against its inputs).
 PACKAGE_ROOT = Path(workflow.basedir)
 ENTRY_POINTS = ("__main__", "cli")
@@ -100,16 +100,23 @@ def _imports(path, module_level_only=False):
     return frozenset(files)
 
 
-def package(*modules):
-    """The package files a job running the stage modules ``modules`` (e.g. "train", "preflight/race") executes."""
+def stage(command, *run_by_path):
+    """The package files the job ``python -m dflash <command>`` runs. Its stage modules are those the subcommand's
+    function in cli.py imports (``run_by_path``: modules a job runs as scripts, in another environment)."""
     root = PACKAGE_ROOT / "dflash"
+    cli = root / "cli.py"
+    try:
+        statements = function_import_statements(cli, PACKAGE_ROOT, command.replace("-", "_"))
+    except ValueError as error:
+        raise WorkflowError(f"stage({command!r}): {error}") from None
+    stage_modules = {f for node in statements for name in imported_modules(node) if (f := _module_file(name)) is not None}
     entry_points = {root / f"{m}.py" for m in ENTRY_POINTS}
-    todo = [(path, path in entry_points) for path in entry_points | {root / f"{m}.py" for m in modules}]
+    todo = [(path, path in entry_points) for path in entry_points | stage_modules | {root / f"{m}.py" for m in run_by_path}]
     seen = set()
     while todo:
         path, module_level_only = todo.pop()
         if not path.is_file():
-            raise WorkflowError(f"package(): {path} does not exist")
+            raise WorkflowError(f"stage({command!r}): {path} does not exist")
         if (path, module_level_only) not in seen:
             seen.add((path, module_level_only))
             todo += [(f, True) for f in _imports(path, module_level_only)]

@@ -7,7 +7,7 @@ rule prepare_target:
     params:
         target=section("target"),
     input:
-        package("target"),
+        stage("prepare-target"),
         # A local model directory: its weights, config and tokenizer.
         local_inputs(CFG.target.source),
         # The checks that take seconds run before the stages that take hours; ancient: a rewritten verdict alone
@@ -23,7 +23,7 @@ rule prepare_target:
 
 rule prepare_data:
     input:
-        package("target", "data", "generation"),
+        stage("prepare-data"),
         local_inputs(CFG.data.prompts.source, embedded=f"{workflow.basedir}/dflash/assets/chat_prompts.jsonl"),
         ancient(PREFLIGHT_FAST),
         manifest=rules.prepare_target.output[0],

@@ -3,7 +3,7 @@
 
 rule evaluate:
     input:
-        package("target", "data", "model", "attention", "decode", "evaluate", "policy", "kernels", "step", "features", "preflight/gate"),
+        stage("evaluate"),
         # Evaluation sets read from local prompt files.
         [f for s in CFG.eval.sets if s.source not in (HELDOUT, HUMANEVAL) for f in local_inputs(s.source)],
         manifest=rules.prepare_target.output[0],

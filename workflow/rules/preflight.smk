@@ -4,7 +4,7 @@
 
 rule env_check:
     input:
-        package("preflight/__init__", "preflight/verdict", "preflight/env_check"),
+        stage("env-check"),
     output:
         f"{RESULTS}/preflight/env.json",
     resources:
@@ -26,7 +26,7 @@ rule env_check:
 
 rule smoke_imports:
     input:
-        package("preflight/__init__", "preflight/verdict", "preflight/gate", "preflight/smoke_imports"),
+        stage("smoke-imports"),
         rules.env_check.output,
     output:
         f"{RESULTS}/preflight/smoke_imports.json",
@@ -47,7 +47,7 @@ rule smoke_imports:
 # and printed with its problems) does not stop the workflow; `snakemake repro_fx_race` runs it alone.
 rule repro_fx_race:
     input:
-        package("preflight/__init__", "preflight/verdict", "preflight/race", "preflight/fx_race", "model", "attention"),
+        stage("repro-fx-race"),
         rules.smoke_imports.output,
     output:
         f"{RESULTS}/preflight/repro_fx_race.json",
@@ -68,7 +68,7 @@ rule repro_fx_race:
 rule warmup_cache:
     input:
         # The warmup process runs the training step (dflash.step), not the training loop (dflash.train).
-        package("preflight/__init__", "preflight/verdict", "preflight/warmup", "preflight/synthetic", "step", "model", "attention", "objective", "target"),
+        stage("warmup-cache"),
         rules.smoke_imports.output,
         manifest=rules.prepare_target.output[0],
         # The samples decide the batch shapes a run takes, each of which the warmup compiles.

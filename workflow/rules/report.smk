@@ -3,7 +3,7 @@
 
 rule report:
     input:
-        package("report"),
+        stage("report"),
         metrics=rules.train.output.metrics,
         train_summary=rules.train.output.summary,
         card=rules.prepare_data.output.card,

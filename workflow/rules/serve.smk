@@ -22,7 +22,7 @@ rule serve_env:
 rule serve_check:
     input:
         # vllm_runner.py runs in vLLM's environment, by its path.
-        package("serving", "vllm_runner"),
+        stage("serve-check", "vllm_runner"),
         env_manifest=rules.serve_env.output.env_manifest,
         manifest=rules.prepare_target.output[0],
         drafter=rules.train.output.drafter,
@@ -50,7 +50,7 @@ rule serve_check:
 # vLLM as the regeneration engine: `vllm serve` on 127.0.0.1, started and stopped here, against the local engine.
 rule serve_regeneration:
     input:
-        package("serving"),
+        stage("serve-regeneration"),
         env_manifest=rules.serve_env.output.env_manifest,
         manifest=rules.prepare_target.output[0],
         heldout=rules.prepare_data.output.heldout,

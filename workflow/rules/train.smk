@@ -3,7 +3,7 @@
 
 rule train:
     input:
-        package("train"),
+        stage("train"),
         manifest=rules.prepare_target.output[0],
         samples=rules.prepare_data.output.samples,
         validation=rules.prepare_data.output.validation,
