@@ -128,6 +128,8 @@ class TrainConfig:
     weight_decay: float = bounded(0.0, ge=0.0)
     grad_clip: float = bounded(1.0, gt=0.0)
     gamma: float | None = bounded(None, gt=0.0)  # loss decay; default by block size (7 for B=16)
+    # acceptance: from the second logged row on, weigh position k by d(tau)/d(accuracy_k) at the last row's accuracies
+    position_weights: Literal["decay", "acceptance"] = "decay"
     init: Literal["random", "target"] = "random"  # target: drafter layer j starts as the target's layer L-n+j (its last n)
     distill_top_k: int = bounded(0, ge=0)  # train against the target's top-k next-token probabilities (0: its greedy token)
     sample_loss_positions: bool = False  # unbiased position sampling: same expected loss, ~45% of the LM-head cost at B=16

@@ -202,3 +202,17 @@ def test_position_accuracy_counts_per_block_position():
     # Position 2: counted in 3 (row 1 block 1 has weight 0); correct only in row 1 block 0 (2 != 3, 9 != 2).
     assert counted.tolist() == [0, 4, 3]
     assert correct.tolist() == [0, 3, 1]
+
+
+def test_acceptance_weights_are_the_derivative_of_tau():
+    """tau = 1 + a1 + a1 a2 + a1 a2 a3: d/da1 = 1 + a2 + a2 a3, d/da2 = a1 (1 + a3), d/da3 = a1 a2."""
+    from dflash.objective import acceptance_weights
+
+    a1, a2, a3 = 0.5, 0.25, 0.8
+    weights = acceptance_weights(torch.tensor([0.9, a1, a2, a3]))
+    expected = [0.0, 1 + a2 + a2 * a3, a1 * (1 + a3), a1 * a2]
+    torch.testing.assert_close(weights, torch.tensor(expected), rtol=1e-6, atol=0)
+    # Nothing right yet: all weight on the first drafted position, none further (it cannot be accepted).
+    torch.testing.assert_close(acceptance_weights(torch.zeros(4)), torch.tensor([0.0, 1.0, 0.0, 0.0]), rtol=0, atol=0)
+    # Everything right: position k gates the B-k positions from it on.
+    torch.testing.assert_close(acceptance_weights(torch.ones(4)), torch.tensor([0.0, 3.0, 2.0, 1.0]), rtol=0, atol=0)
