@@ -63,6 +63,13 @@ def prepare_target(args, s) -> None:
     print(f"prepare_target: {manifest['architecture']} with {manifest['num_layers']} layers from {manifest['source']!r} at {manifest['path']}")
 
 
+def fetch_dataset(args, s) -> None:
+    from dflash.data import fetch_hub_dataset
+
+    rows = fetch_hub_dataset(s["prompts"], args.out)
+    print(f"fetch_dataset: {rows} rows of {s['prompts'].source!r} ({s['prompts'].split}) at {args.out}")
+
+
 def prepare_data(args, s) -> None:
     from dflash import distributed
     from dflash.data import prepare_data as run
@@ -193,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _add(sub, "prepare-target", "materialise the target model", prepare_target, {"target": C.TargetConfig}, ["out"])
+    _add(sub, "fetch-dataset", "a hub dataset's split, once, into a local file the stages read", fetch_dataset, {"prompts": C.PromptSource}, ["out"])
     sections = {"data": C.DataConfig, "topology": C.TopologyConfig}
     p = _add(sub, "prepare-data", "prompts → target responses → training samples", prepare_data, sections, ["target_manifest", "out_dir", "chunk_dir"])
     p.add_argument("--seed", type=int, default=0)

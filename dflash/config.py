@@ -92,6 +92,11 @@ class GenerationConfig:
 TRANSPORT_KEYS = ("concurrency", "retries", "timeout")
 
 
+def hub_copy_name(prompts: PromptSource) -> str:
+    """The file name of a hub dataset split's fetched copy (``dflash.data.fetch_hub_dataset``): ``owner--name--split``."""
+    return f"{prompts.source.replace('/', '--')}--{prompts.split}"
+
+
 @dataclass
 class DataConfig:
     prompts: PromptSource = field(default_factory=PromptSource)

@@ -27,10 +27,11 @@ from pathlib import Path
 import pandas as pd
 
 from dflash import distributed
-from dflash.config import EMBEDDED, SHAREGPT, DataConfig, local_path
+from dflash.config import EMBEDDED, NAMED_SOURCES, SHAREGPT, DataConfig, PromptSource, local_path
 from dflash.distributed import Layout
 from dflash.errors import InputError, MissingInputError
 from dflash.generation import Request, VllmTarget, open_engine, regenerate
+from dflash.io import atomic_path
 from dflash.target import Target
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,19 @@ def _records(source: str, split: str) -> list[dict]:
     if path.suffix not in kinds:
         raise InputError(f"data.prompts.source {source!r}: unsupported file type {path.suffix!r}; use one of {sorted(kinds)}")
     return list(datasets.load_dataset(kinds[path.suffix], data_files=str(path), split="train"))
+
+
+def fetch_hub_dataset(prompts: PromptSource, out: Path) -> int:
+    """Download the split of a hub dataset once, where the network is, into the local parquet file ``out``: the
+    workflow's stages then read that copy, not the hub (cluster nodes are often offline). Returns its rows."""
+    if prompts.source in NAMED_SOURCES or local_path(prompts.source) is not None:
+        raise InputError(f"{prompts.source!r} is not a hub dataset id (owner/name): nothing to fetch")
+    import datasets
+
+    dataset = datasets.load_dataset(prompts.source, split=prompts.split)
+    with atomic_path(out) as staging:
+        dataset.to_parquet(str(staging))
+    return len(dataset)
 
 
 def load_conversations(source: str, split: str = "train", limit: int | None = None) -> list[Conversation]:

@@ -218,3 +218,30 @@ def test_the_manifest_names_a_local_directory_later_stages_load_offline(tmp_path
     (tmp_path / "offline.json").write_text(json.dumps(moved))
     target = load_from_manifest(tmp_path / "offline.json")
     assert target.source == "nobody/not-on-the-hub" and target.num_layers == 6
+
+
+def test_a_fetched_hub_dataset_is_read_as_the_hub_would_give_it(tmp_path, monkeypatch):
+    """fetch_hub_dataset calls the hub once (here a stand-in) and writes a parquet copy; the stages, given that copy as
+    their source, read the same conversations the hub id gives. Anything not a hub id is refused."""
+    import datasets
+
+    from dflash.config import PromptSource
+    from dflash.data import fetch_hub_dataset, load_conversations
+    from dflash.errors import InputError
+
+    rows = [
+        {"messages": [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "7"}]},
+        {"messages": [{"role": "user", "content": "And an even one?"}, {"role": "assistant", "content": "2"}]},
+    ]
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda source, split: calls.append((source, split)) or datasets.Dataset.from_list(rows))
+    copy = tmp_path / "hub" / "owner--chats--train_sft.parquet"
+    copy.parent.mkdir()
+    assert fetch_hub_dataset(PromptSource(source="owner/chats", split="train_sft"), copy) == 2
+    assert calls == [("owner/chats", "train_sft")]
+    from_hub = load_conversations("owner/chats", "train_sft")
+    monkeypatch.undo()
+    assert load_conversations(str(copy)) == from_hub and [(c.messages[0][1], c.reply) for c in from_hub] == [("Name a prime.", "7"), ("And an even one?", "2")]
+    for not_hub in ("sharegpt", str(copy)):
+        with pytest.raises(InputError, match="not a hub dataset id"):
+            fetch_hub_dataset(PromptSource(source=not_hub), tmp_path / "x.parquet")

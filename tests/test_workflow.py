@@ -585,7 +585,7 @@ def test_the_slurm_profile_plans_gpus_for_every_job_that_touches_one(tmp_path):
     workdir = make_workdir(tmp_path / "work")
     for name in ("gpu-8x.yaml", "slurm-2x8.yaml"):
         shutil.copy2(ROOT / "config" / name, workdir / "config" / name)
-    args = ["-n", "--profile", "workflow/profiles/slurm", "--configfile", "config/gpu-8x.yaml", "config/slurm-2x8.yaml"]
+    args = ["-n", "-p", "--profile", "workflow/profiles/slurm", "--configfile", "config/gpu-8x.yaml", "config/slurm-2x8.yaml"]
     result = run_snakemake(workdir, snakemake_env(tmp_path / "scratch"), *args, timeout=300)
     planned = _planned_resources(result)
     gpus = {}
@@ -601,3 +601,7 @@ def test_the_slurm_profile_plans_gpus_for_every_job_that_touches_one(tmp_path):
     assert resources["train"]["nodes"] == resources["prepare_data"]["nodes"] == "2"
     assert int(resources["prepare_data"]["runtime"]) >= 1440 and int(resources["train"]["runtime"]) >= 1440
     assert gpus["prepare_target"] == gpus["report"] == 0
+    # The hub's prompts are fetched once, by a local rule, and every regenerating rank reads that copy.
+    copy = "results/data/hub/HuggingFaceH4--ultrachat_200k--train_sft.parquet"
+    assert gpus["fetch_dataset/dataset=HuggingFaceH4--ultrachat_200k--train_sft"] == 0
+    assert re.search(rf"prepare-data --data '[^']*\"source\":\"{re.escape(copy)}\"", result.output)

@@ -9,7 +9,7 @@ from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
 sys.path.insert(0, workflow.basedir)
-from dflash.config import EMBEDDED, HELDOUT, HUMANEVAL, TRANSPORT_KEYS, ConfigError, canonical_json, check_local_sources, load_config, to_dict
+from dflash.config import EMBEDDED, HELDOUT, HUMANEVAL, NAMED_SOURCES, TRANSPORT_KEYS, ConfigError, PromptSource, canonical_json, check_local_sources, hub_copy_name, load_config, local_path, to_dict
 from dflash.source_imports import function_import_statements, import_statements, imported_modules
 
 
@@ -39,6 +39,15 @@ ENV = "../../envs/dflash.yaml"
 VLLM_ENV_MANIFEST = f"{RESULTS}/serve/env.json"
 VLLM_REGENERATES = CFG.data.generation.engine in ("auto", "vllm")
 
+# Hub datasets the config names (data.prompts, eval.sets) are fetched once by fetch_dataset, a local rule (under
+# SLURM it runs where Snakemake runs, which reaches the network) into results/data/hub; the jobs that read them are
+# given that copy as their source (hub_copies), so that compute nodes never call the hub.
+HUB_DATASETS = {
+    hub_copy_name(p): {"source": p.source, "split": p.split}
+    for p in [CFG.data.prompts, *CFG.eval.sets]
+    if p.source not in NAMED_SOURCES and local_path(p.source) is None
+}
+
 # Shell commands run `python -m dflash`: the interpreter running Snakemake, so that a venv works without
 # being activated; under --sdm conda the conda environment of the job provides python instead.
 if DeploymentMethod.CONDA not in workflow.deployment_settings.deployment_method:
@@ -58,6 +67,25 @@ def section(*keys, only=None, without=()):
     if unknown:
         raise WorkflowError(f"section{keys}: no key(s) {sorted(unknown)} in this section")
     return canonical_json({name: value[name] for name in names})
+
+
+def hub_copy(source):
+    """The fetched copy of a source dict (``source``, ``split``), if it names a hub dataset."""
+    name = hub_copy_name(PromptSource(source=source["source"], split=source["split"]))
+    return f"{RESULTS}/data/hub/{name}.parquet" if name in HUB_DATASETS else None
+
+
+def hub_copies(section_json):
+    """A config section (canonical JSON) whose prompt sources (``prompts``, ``sets``) read their fetched copies:
+    the files, and the section to pass."""
+    value = json.loads(section_json)
+    sources = ([value["prompts"]] if "prompts" in value else []) + value.get("sets", [])
+    files = []
+    for source in sources:
+        if (copy := hub_copy(source)) is not None:
+            source["source"] = copy
+            files.append(copy)
+    return files, canonical_json(value)
 
 
 def data_section(transport):

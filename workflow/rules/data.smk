@@ -21,10 +21,35 @@ rule prepare_target:
         "python -m dflash prepare-target --target {params.target:q} --out {output} > {log} 2>&1"
 
 
+# Where the network is: the target's snapshot and hub datasets are downloaded once, by the host Snakemake runs on
+# (under SLURM, the submit host), into places every job reads (the Hugging Face cache, results/data/hub).
+localrules:
+    prepare_target,
+    fetch_dataset,
+
+
+rule fetch_dataset:
+    output:
+        f"{RESULTS}/data/hub/{{dataset}}.parquet",
+    wildcard_constraints:
+        dataset="[^/]+",
+    input:
+        stage("fetch-dataset"),
+    params:
+        prompts=lambda wc: canonical_json(HUB_DATASETS[wc.dataset]),
+    conda:
+        ENV
+    log:
+        f"{LOGS}/fetch_dataset_{{dataset}}.log",
+    shell:
+        "python -m dflash fetch-dataset --prompts {params.prompts:q} --out {output} > {log} 2>&1"
+
+
 rule prepare_data:
     input:
         stage("prepare-data"),
         local_inputs(CFG.data.prompts.source, embedded=f"{workflow.basedir}/dflash/assets/chat_prompts.jsonl"),
+        hub_copies(data_section(transport=False))[0],
         ancient(PREFLIGHT_FAST),
         manifest=rules.prepare_target.output[0],
         **({"vllm_env": VLLM_ENV_MANIFEST} if VLLM_REGENERATES else {}),
@@ -34,7 +59,7 @@ rule prepare_data:
         heldout=f"{RESULTS}/data/heldout.jsonl",
         card=f"{RESULTS}/data/card.json",
     params:
-        data=data_section(transport=False),
+        data=hub_copies(data_section(transport=False))[1],
         seed=CFG.seed,
         out_dir=lambda wc, output: Path(output.samples).parent,
         # Complete chunks of regenerated responses, outside the declared outputs (which Snakemake deletes on

@@ -6,6 +6,7 @@ rule evaluate:
         stage("evaluate"),
         # Evaluation sets read from local prompt files.
         [f for s in CFG.eval.sets if s.source not in (HELDOUT, HUMANEVAL) for f in local_inputs(s.source)],
+        hub_copies(section("eval"))[0],
         manifest=rules.prepare_target.output[0],
         drafter=rules.train.output.drafter,
         heldout=rules.prepare_data.output.heldout,
@@ -21,7 +22,7 @@ rule evaluate:
         calibration=f"{RESULTS}/eval/calibration.json",
         verify_cost=f"{RESULTS}/eval/verify_cost.json",
     params:
-        eval=section("eval"),
+        eval=hub_copies(section("eval"))[1],
         # Which device decodes: the first GPU on GPU configs.
         topology=section("topology", only=["device"]),
         out_dir=lambda wc, output: Path(output.summary).parent,

@@ -23,6 +23,7 @@ rule serve_check:
     input:
         # vllm_runner.py runs in vLLM's environment, by its path.
         stage("serve-check", "vllm_runner"),
+        hub_copies(section("eval", only=["block_size", "sets", "target_dtype"]))[0],
         env_manifest=rules.serve_env.output.env_manifest,
         manifest=rules.prepare_target.output[0],
         drafter=rules.train.output.drafter,
@@ -32,7 +33,7 @@ rule serve_check:
         per_prompt=f"{RESULTS}/serve/vllm.csv",
     params:
         serve=section("serve", without=["requirements", "uninstall"]),
-        eval=section("eval", only=["block_size", "sets", "target_dtype"]),
+        eval=hub_copies(section("eval", only=["block_size", "sets", "target_dtype"]))[1],
         topology=section("topology", only=["device"]),
         out_dir=lambda wc, output: Path(output.summary).parent,
     resources:
@@ -51,6 +52,7 @@ rule serve_check:
 rule serve_regeneration:
     input:
         stage("serve-regeneration"),
+        hub_copies(section("eval", only=["sets"]))[0],
         env_manifest=rules.serve_env.output.env_manifest,
         manifest=rules.prepare_target.output[0],
         heldout=rules.prepare_data.output.heldout,
@@ -58,7 +60,7 @@ rule serve_regeneration:
         f"{RESULTS}/serve/regeneration.json",
     params:
         serve=section("serve", only=["limit", "timeout_s"]),
-        eval=section("eval", only=["sets"]),
+        eval=hub_copies(section("eval", only=["sets"]))[1],
         data=data_section(transport=False),
         topology=section("topology", only=["device"]),
     resources:
