@@ -35,11 +35,11 @@ warmup_train=$($PY -c "import json,sys; t=json.loads(sys.argv[1]); [t.pop(k) for
 
 stage prepare_target prepare-target --target "{\"source\": \"$TARGET\"}" --out "$OUT/target.json"
 stage prepare_data prepare-data --data "$data" --topology "$topology" --target-manifest "$OUT/target.json" --out-dir "$OUT/data" --chunk-dir "$OUT/chunks"
-stage warmup_cache warmup-cache --device "$warm" --drafter "$drafter" --train "$warmup_train" --topology "$topology" \
-  --target-manifest "$OUT/target.json" --samples "$OUT/data/train.parquet" --cache-dir "$OUT/compile" --out "$OUT/warmup.json"
+stage warmup_cache warmup-cache --devices "$warm" --drafter "$drafter" --train "$warmup_train" --topology "$topology" \
+  --target-manifest "$OUT/target.json" --samples "$OUT/data/train.parquet" --cache-root "$OUT/compile" --out-dir "$OUT/warmup"
 stage train train --drafter "$drafter" --train "$train" --topology "$topology" --tracking '{"wandb_mode": "disabled"}' \
   --target-manifest "$OUT/target.json" --samples "$OUT/data/train.parquet" --validation "$OUT/data/validation.parquet" \
-  --preflight "$OUT/warmup.json" --out-dir "$OUT/train" --checkpoint-dir "$OUT/cache"
+  --preflight "$OUT/warmup/$warm.json" --out-dir "$OUT/train" --checkpoint-dir "$OUT/cache"
 eval=$($PY -c "import json,sys; n=int(sys.argv[1]); print(json.dumps({'max_new_tokens': int(sys.argv[2]), 'sets': [{'name': 'chat', 'source': 'heldout', 'limit': n}, {'name': 'humaneval', 'source': 'humaneval', 'limit': n}]}))" "$EVAL" "$NEW_TOKENS")
 stage evaluate evaluate --eval "$eval" --topology "$topology" --target-manifest "$OUT/target.json" --drafter "$OUT/train/drafter" \
   --heldout "$OUT/data/heldout.jsonl" --validation "$OUT/data/validation.parquet" --out-dir "$OUT/eval"
@@ -52,7 +52,8 @@ import json, sys
 from pathlib import Path
 import pandas as pd
 out = Path(sys.argv[1])
-card, train, warmup = (json.loads((out / p).read_text()) for p in ("data/card.json", "train/summary.json", "warmup.json"))
+card, train = (json.loads((out / p).read_text()) for p in ("data/card.json", "train/summary.json"))
+warmup = json.loads(next((out / "warmup").glob("*.json")).read_text())
 summary = pd.read_csv(out / "eval" / "summary.csv")
 print(f"\ndevice: {summary['device'].iloc[0]}")
 print(f"regeneration: {card['regeneration_tokens_per_second']:.0f} tokens/s ({card['samples']} samples)")

@@ -191,9 +191,17 @@ def repro_fx_race(args, s) -> None:
 
 
 def warmup_cache(args, s) -> None:
-    from dflash.preflight.warmup import warmup_cache as run
+    from dflash.preflight.warmup import warmup_caches as run
 
-    _finish(run(args.device, args.target_manifest, args.samples, s["drafter"], s["train"], s["topology"], args.cache_dir), args.out)
+    verdicts = run(args.devices, args.target_manifest, args.samples, s["drafter"], s["train"], s["topology"], args.cache_root)
+    failures = []
+    for verdict in verdicts:  # every verdict is written, then the failures are reported together
+        try:
+            _finish(verdict, args.out_dir / f"{verdict.device}.json")
+        except PreflightError as failure:
+            failures.append(str(failure))
+    if failures:
+        raise PreflightError("\n\n".join(failures))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -236,9 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
         "compile the drafter's training step into a persistent cache",
         warmup_cache,
         sections,
-        ["target_manifest", "samples", "cache_dir", "out"],
+        ["target_manifest", "samples", "cache_root", "out_dir"],
     )
-    p.add_argument("--device", required=True, help="the drafter device: cpu, or cudaN")
+    p.add_argument("--devices", nargs="+", required=True, help="the drafter devices: cpu, or cudaN (each warmed into --cache-root/<device>)")
     return parser
 
 

@@ -341,9 +341,9 @@ def test_warmup_second_start_runs_from_the_cache(tmp_path, tiny_target_manifest,
     monkeypatch.delenv("DFLASH_CPU_THREADS", raising=False)
     code = run_cli(
         [
-            "warmup-cache", "--device", "cpu", "--target-manifest", str(tiny_target_manifest), "--samples", str(samples),
+            "warmup-cache", "--devices", "cpu", "--target-manifest", str(tiny_target_manifest), "--samples", str(samples),
             "--drafter", json.dumps({"num_context_features": 2, "block_size": 4, "mask_token_id": 126}),
-            "--train", json.dumps(train), "--topology", "{}", "--cache-dir", str(cache), "--out", str(out),
+            "--train", json.dumps(train), "--topology", "{}", "--cache-root", str(cache.parent), "--out-dir", str(out.parent),
         ]
     )  # fmt: skip
     verdict = json.loads(out.read_text())

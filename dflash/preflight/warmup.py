@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -96,7 +97,8 @@ def _step_main(spec: dict, report_path: Path) -> None:
     torch.set_num_threads(cpu_threads(spec["local_processes"]))
     drafter_cfg = parse_section(DrafterConfig, spec["drafter"], "drafter")
     train_cfg = parse_section(TrainConfig, spec["train"], "train")
-    target = load_from_manifest(spec["target_manifest"], device=device, dtype=preparation_dtype(train_cfg.target_dtype, device))
+    # The step reads the target's embedding and head only (the batches bring their features): none of its layers.
+    target = load_from_manifest(spec["target_manifest"], device=device, dtype=preparation_dtype(train_cfg.target_dtype, device), layers=False)
     config = drafter_config_for(target, drafter_cfg)
     drafter = training_drafter(config, train_cfg, device)
     forward = compile_drafter(drafter, enabled=True)
@@ -216,6 +218,23 @@ def warmup_cache(
         f"{verdict.warm_first_step_seconds:.1f} s first step; cache {verdict.cache_mb} MB at {cache_dir}"
     )
     return verdict
+
+
+def warmup_caches(
+    devices: list[str],
+    target_manifest: str | Path,
+    samples: str | Path,
+    drafter: DrafterConfig,
+    train: TrainConfig,
+    topology: TopologyConfig,
+    cache_root: str | Path,
+) -> list[WarmupVerdict]:
+    """``warmup_cache`` on every device at once, each into ``cache_root/<device>``: one job that sees a node's GPUs
+    warms each of them (cudaN must compile for cuda:N), rather than one job per device seeing GPUs 0..N. The
+    compiles run in processes of their own; the threads here only wait for them."""
+    with ThreadPoolExecutor(max_workers=len(devices)) as pool:
+        runs = [pool.submit(warmup_cache, device, target_manifest, samples, drafter, train, topology, Path(cache_root) / device) for device in devices]
+        return [run.result() for run in runs]
 
 
 def check_memory(verdict: WarmupVerdict, device: str, target_manifest, drafter: DrafterConfig, train: TrainConfig, topology: TopologyConfig) -> None:

@@ -172,17 +172,17 @@ NODE_GPUS = CFG.topology.nproc_per_node
 LOCAL_GPUS = max(8, NODE_GPUS)
 
 
+# The devices the compile cache is warmed for (one job warms them all), and the local GPU indices among them.
+WARMUP_DEVICES = CFG.preflight.warmup.devices
+WARMUP_GPUS = [int(device.removeprefix("cuda")) for device in WARMUP_DEVICES if device != "cpu"]
+
+
 def gpu_resources(visible, devices):
-    """The resources of a job that sees ``visible`` GPUs and computes on the local ``devices`` (indices); either may be
-    a function of the wildcards. Nothing on a CPU topology."""
+    """The resources of a job that sees ``visible`` GPUs and computes on the local ``devices`` (indices). Nothing on a
+    CPU topology."""
     if not CUDA:
         return {"gpu": 0}
-    resources = {"gpu": visible}
-    if callable(devices):
-        resources |= {f"gpu_dev{i}": (lambda wc, i=i: int(i in devices(wc))) for i in range(LOCAL_GPUS)}
-    else:
-        resources |= {f"gpu_dev{i}": int(i in devices) for i in range(LOCAL_GPUS)}
-    return resources
+    return {"gpu": visible} | {f"gpu_dev{i}": int(i in devices) for i in range(LOCAL_GPUS)}
 
 
 def launcher(topology):

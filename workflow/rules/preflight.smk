@@ -74,23 +74,23 @@ rule warmup_cache:
         # The samples decide the batch shapes a run takes, each of which the warmup compiles.
         samples=rules.prepare_data.output.samples,
     output:
-        f"{RESULTS}/preflight/warmup/{{device}}.json",
-    wildcard_constraints:
-        device="cpu|cuda[0-9]+",
+        expand(f"{RESULTS}/preflight/warmup/{{device}}.json", device=WARMUP_DEVICES),
     params:
+        devices=" ".join(WARMUP_DEVICES),
         drafter=section("drafter"),
         # Not the keys that only the training loop reads: the compiled step does not change with them.
         train=section("train", without=["epochs", "warmup_ratio", "lr", "weight_decay", "checkpoint_every", "log_every"]),
         topology=section("topology"),
-        # The cache outlives the job's declared output on purpose: training reads it.
-        cache_dir=lambda wc: f"{RESULTS}/cache/compile/{wc.device}",
+        out_dir=lambda wc, output: Path(output[0]).parent,
+        # The caches (one per device) outlive the job's declared outputs on purpose: training reads them.
+        cache_root=f"{RESULTS}/cache/compile",
     resources:
-        # cudaN compiles for cuda:N, so the job sees the node's GPUs up to N (and computes on N alone).
-        **gpu_resources(lambda wc: 0 if wc.device == "cpu" else int(wc.device.removeprefix("cuda")) + 1, lambda wc: [] if wc.device == "cpu" else [int(wc.device.removeprefix("cuda"))]),
+        # One job warms every device at once; cudaN compiles for cuda:N, so it sees the node's GPUs up to the last.
+        **gpu_resources(max(WARMUP_GPUS, default=-1) + 1, WARMUP_GPUS),
     conda:
         ENV
     log:
-        f"{LOGS}/warmup_cache_{{device}}.log",
+        f"{LOGS}/warmup_cache.log",
     shell:
-        "python -m dflash warmup-cache --device {wildcards.device} --drafter {params.drafter:q} --train {params.train:q} "
-        "--topology {params.topology:q} --target-manifest {input.manifest} --samples {input.samples} --cache-dir {params.cache_dir} --out {output} > {log} 2>&1"
+        "python -m dflash warmup-cache --devices {params.devices} --drafter {params.drafter:q} --train {params.train:q} --topology {params.topology:q} "
+        "--target-manifest {input.manifest} --samples {input.samples} --cache-root {params.cache_root} --out-dir {params.out_dir} > {log} 2>&1"

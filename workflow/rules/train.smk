@@ -12,7 +12,7 @@ rule train:
             rules.smoke_imports.output[0],
             rules.repro_fx_race.output[0],
             # A warm compile cache only matters to a compiled drafter.
-            *(expand(rules.warmup_cache.output[0], device=CFG.preflight.warmup.devices) if CFG.train.compile else []),
+            *(rules.warmup_cache.output if CFG.train.compile else []),
         ],
     output:
         drafter=directory(f"{RESULTS}/train/drafter"),
