@@ -169,7 +169,17 @@ def make_batch(
     weight_total = blocks.weights.sum()
     if cfg.sample_loss_positions:
         blocks.weights = torch.cat([sample_positions(w[None], seeded_generator(seed, epoch, i, 1)) for i, w in zip(indices, blocks.weights)])
-    return Batch(ids, loss_mask, feats, greedy, anchors, valid, blocks, weight_total, list(indices))
+    return Batch(
+        input_ids=ids,
+        loss_mask=loss_mask,
+        features=feats,
+        greedy=greedy,
+        anchors=anchors,
+        valid=valid,
+        blocks=blocks,
+        weight_total=weight_total,
+        indices=list(indices),
+    )
 
 
 def idle_batch(samples: pd.DataFrame, stand_in: int, width: int, config: DFlashConfig, cfg: TrainConfig) -> Batch:

@@ -107,7 +107,16 @@ def init(topology: TopologyConfig) -> Layout:
         dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT, device_id=device if device.type == "cuda" else None)
         drafters = dist.new_group(list(range(drafter_world)), timeout=COLLECTIVE_TIMEOUT)  # every rank takes part in creating it
         group = drafters if rank < drafter_world else None
-    return Layout(device, topology.kind, rank, world, local_rank, drafter_world, topology.data_parallel, group)
+    return Layout(
+        device=device,
+        kind=topology.kind,
+        rank=rank,
+        world=world,
+        local_rank=local_rank,
+        drafter_world=drafter_world,
+        data_parallel=topology.data_parallel,
+        group=group,
+    )
 
 
 def join(device: str) -> Layout:

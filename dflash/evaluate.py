@@ -295,7 +295,17 @@ def run_evaluation(
     (out_dir / "verify_cost.json").write_text(
         json.dumps(cost.to_dict() | {"draft": draft_cost, "linear_kernel": "packed" if packed else "default", "draft_kernel": drafting}, indent=2) + "\n"
     )
-    arms = Arms(target, drafter, block_size, lookup, cost, calibration, head, draft_cost, cfg.gate)
+    arms = Arms(
+        target=target,
+        drafter=drafter,
+        block_size=block_size,
+        lookup=lookup,
+        cost=cost,
+        calibration=calibration,
+        head=head,
+        draft_cost=draft_cost,
+        gate=cfg.gate,
+    )
     summary = []
     for eval_set in cfg.sets:
         conversations = eval_conversations(eval_set.source, eval_set.split, eval_set.limit, heldout_path)
