@@ -67,7 +67,7 @@ def test_verdict_round_trip_and_refusal(tmp_path):
 
 def test_supported_ranges_are_the_projects():
     ranges = supported_ranges()
-    assert ranges["torch"] == "<2.15,>=2.6"
+    assert ranges["torch"] == "<2.15,>=2.11"
     assert ranges["transformers"] == "<6,>=5.24"
     assert ranges["python"] == ">=3.10"
     assert "pytest" not in ranges  # an optional extra

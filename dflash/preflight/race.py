@@ -244,7 +244,9 @@ def fine_thread_interleaving() -> Iterator[None]:
 
 @contextmanager
 def race_compile_settings(mitigate: bool) -> Iterator[None]:
-    """Compile settings of one thread (Dynamo's and inductor's configs are per thread, so each thread enters this itself).
+    """Compile settings of one thread: each thread enters this itself, since Dynamo's and inductor's configs are per
+    thread from torch 2.12 on (on 2.11 they are the process's, which is harmless here: a trial's threads all mitigate
+    or none does, and trials run one after the other).
 
     Scalar CPU kernels: the race is in tracing, not in the generated code, and
     vectorised CPU code generation doubles the cost of a cold compile.
