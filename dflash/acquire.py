@@ -144,23 +144,3 @@ def local_snapshot(source: str) -> str:
     from huggingface_hub import snapshot_download
 
     return snapshot_download(resolved)
-
-
-def layer_weights(model_dir: str | Path, layer: int) -> dict[str, torch.Tensor]:
-    """The weights of decoder layer ``layer`` of the transformers model in ``model_dir``, named as in the layer
-    (``self_attn.q_proj.weight``, ...), read from its safetensors files without loading the rest."""
-    from safetensors import safe_open
-
-    prefix = f"model.layers.{layer}."
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise MissingInputError(f"{model_dir}: no *.safetensors files to read the target's layer {layer} from")
-    weights = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if name.startswith(prefix):
-                    weights[name.removeprefix(prefix)] = f.get_tensor(name)
-    if not weights:
-        raise MissingInputError(f"{model_dir}: no tensors named {prefix}* (is it a decoder-only transformers model?)")
-    return weights

@@ -39,25 +39,6 @@ def decay_weights(block_size: int, gamma: float) -> torch.Tensor:
     return weights
 
 
-def acceptance_weights(accuracy: torch.Tensor) -> torch.Tensor:
-    """The weight of each block position ``[B]`` by how much its accuracy moves the expected acceptance length.
-
-    With ``accuracy[k]`` the chance that position k is right given the positions before it are, greedy decoding
-    accepts ``tau = 1 + sum_m prod_{j<=m} a_j`` tokens per step; its derivative in ``a_k`` is
-    ``prod_{j<k} a_j * (1 + a_{k+1} + a_{k+1} a_{k+2} + ...)``. Position 0 (the given anchor) weighs 0.
-    """
-    a = accuracy.double().clamp(0.0, 1.0)
-    before = torch.ones_like(a)
-    after = torch.ones_like(a)
-    for k in range(2, len(a)):
-        before[k] = before[k - 1] * a[k - 1]
-    for k in range(len(a) - 2, 0, -1):
-        after[k] = 1.0 + a[k + 1] * after[k + 1]
-    weights = (before * after).float()
-    weights[0] = 0.0
-    return weights
-
-
 def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to ``max_anchors`` anchor positions per row, drawn without replacement, sorted.
 

@@ -15,12 +15,10 @@ import pandas as pd
 import torch
 import torch.fx.experimental._config as fx_config
 
-from dflash.acquire import layer_weights
 from dflash.attention import build_training_mask
 from dflash.batch import Batch, idle_batch, make_batch, rank_slice
 from dflash.config import DrafterConfig, TrainConfig
 from dflash.distributed import Layout, all_reduce_sum
-from dflash.errors import ConfigError
 from dflash.kernels import projection
 from dflash.model import DFlashConfig, DFlashDrafter
 from dflash.objective import FrozenHeadCrossEntropy, position_accuracy
@@ -40,29 +38,6 @@ def training_drafter(config: DFlashConfig, cfg: TrainConfig, device: torch.devic
     drafter = DFlashDrafter(config).to(device)
     drafter.activation_checkpointing = cfg.activation_checkpointing
     return drafter
-
-
-def initialise_from_target(drafter: DFlashDrafter, target: Target) -> list[int]:
-    """Start drafter layer j as the target's layer L - n + j, the last n, which turn hidden states into next-token
-    predictions; returns those layer ids. Norms the target's layers lack (Qwen3's q/k norms, in a Llama) keep their
-    initial ones. The weights are read from the target's files, so ranks that hold none of its layers can start too."""
-    if target.directory is None:
-        raise ConfigError("train.init: target needs the target's model files on disk; this target was built in memory (use init: random)")
-    first = target.num_layers - len(drafter.layers)
-    for layer, target_layer in zip(drafter.layers, range(first, target.num_layers)):
-        own = layer.state_dict()
-        weights = layer_weights(target.directory, target_layer)
-        unknown = sorted(set(weights) - set(own))
-        mismatched = sorted(name for name in set(weights) & set(own) if weights[name].shape != own[name].shape)
-        if unknown or mismatched:
-            raise ConfigError(
-                f"train.init: target: the target's layer {target_layer} does not fit a drafter layer "
-                f"(unknown tensors {unknown}, other shapes {mismatched}); keep the drafter's shape the target's, or use init: random"
-            )
-        with torch.no_grad():
-            for name, value in weights.items():
-                own[name].copy_(value)
-    return list(range(first, target.num_layers))
 
 
 def compile_drafter(drafter: DFlashDrafter, enabled: bool):

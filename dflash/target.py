@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from dflash.acquire import local_snapshot, resolve_source
-from dflash.config import EMBEDDED, local_path
+from dflash.config import EMBEDDED
 from dflash.errors import InputError, MissingInputError
 from dflash.io import atomic_write_text
 
@@ -35,7 +35,6 @@ class Target:
     tokenizer: object
     source: str
     full_config: object | None = None  # the target's own config when ``model`` was loaded without its decoder layers
-    directory: str | None = None  # the local model directory it was loaded from (None: in memory, or a hub id)
 
     @classmethod
     def load(cls, source: str = EMBEDDED, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, layers: bool = True) -> Target:
@@ -54,7 +53,6 @@ class Target:
         model = AutoModelForCausalLM.from_pretrained(path, config=shell, dtype=dtype, device_map={"": torch.device(device)})
         target = cls.from_model(model, tokenizer, source)
         target.full_config = None if layers else config
-        target.directory = path if local_path(path) is not None else None
         return target
 
     @classmethod

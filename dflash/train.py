@@ -32,24 +32,12 @@ from dflash.config import DrafterConfig, TrainConfig
 from dflash.distributed import Layout, all_reduce_sum
 from dflash.features import CachedFeatures, HiddenStateCache, Meter, OnlineFeatures, total_rate
 from dflash.model import DFlashConfig
-from dflash.objective import acceptance_weights, decay_weights, default_gamma
-from dflash.step import (
-    ValidationData,
-    compile_drafter,
-    drafter_config_for,
-    initialise_from_target,
-    normalise_globally,
-    train_step,
-    training_drafter,
-    validation_metrics,
-)
+from dflash.step import ValidationData, compile_drafter, drafter_config_for, normalise_globally, train_step, training_drafter, validation_metrics
 from dflash.target import Target, preparation_dtype
 from dflash.transport import ReceivedFeatures, serve_features
 from dflash.vocab import DraftVocab
 
 log = logging.getLogger(__name__)
-
-ACCURACY_FLOOR = 0.05  # train.position_weights: acceptance
 
 
 @dataclass(frozen=True)
@@ -241,20 +229,6 @@ class Batches:
     def __init__(self, run: RunContext, source):
         self.run, self.source = run, source
         self.lengths = [len(ids) for ids in run.samples["input_ids"]]
-        self.position_scale: torch.Tensor | None = None  # [B]: multiplies the decay's weights (train.position_weights)
-
-    def adapt(self, row: dict) -> None:
-        """Under ``train.position_weights: acceptance``, weigh positions by ``acceptance_weights`` at the accuracies of
-        metric row ``row``, scaled to the decay's total so the learning rate keeps its meaning."""
-        if self.run.cfg.position_weights != "acceptance":
-            return
-        block = self.run.config.block_size
-        decay = decay_weights(block, self.run.cfg.gamma or default_gamma(block))
-        # A floor on the accuracies: a position of weight 0 would no longer be counted, so its accuracy never measured.
-        accuracy = torch.tensor([0.0] + [row[f"acc_{k}"] for k in range(1, block)]).clamp(min=ACCURACY_FLOOR)
-        wanted = acceptance_weights(accuracy)
-        wanted = wanted * decay.sum() / wanted.sum().clamp(min=1e-12)
-        self.position_scale = torch.where(decay > 0, wanted / decay.clamp(min=1e-12), torch.zeros_like(decay))
 
     def __call__(self, step: int):
         run = self.run
@@ -263,8 +237,6 @@ class Batches:
         rows = self.source(step, share)
         if share:
             batch = make_batch(run.samples, share, rows, run.config, run.cfg, run.schedule.seed, run.schedule.epoch(step), run.vocab)
-            if self.position_scale is not None:
-                batch.blocks.weights *= self.position_scale.to(batch.blocks.weights.device).repeat(batch.blocks.weights.shape[1] // len(self.position_scale))
         else:
             batch = idle_batch(run.samples, global_batch[0], run.config.feature_width, run.config, run.cfg)
         normalise_globally(batch, run.layout)
@@ -355,8 +327,6 @@ def _train(run: RunContext, batches: Batches, first: int, checkpoint: Path | Non
     layout, cfg, schedule = run.layout, run.cfg, run.schedule
     torch.manual_seed(schedule.seed)
     drafter = training_drafter(run.config, cfg, layout.device)
-    if cfg.init == "target" and checkpoint is None:
-        log.info("drafter layers start as the target's layers %s", initialise_from_target(drafter, run.target))
     distributed.shard(drafter, layout)
     forward = distributed.replicate(compile_drafter(drafter, cfg.compile), layout)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -366,8 +336,6 @@ def _train(run: RunContext, batches: Batches, first: int, checkpoint: Path | Non
         progress = load_checkpoint(checkpoint, drafter, optimizer, scheduler, layout)
         log.info("resuming from %s (step %d of %d)", checkpoint, first, schedule.total)
     metrics, throughput, head, loss = MetricsLog(run, progress, validator, tracker), Throughput(), run.head(), float("nan")
-    if progress.rows:
-        batches.adapt(progress.rows[-1])
     with tqdm(total=schedule.total, initial=first, desc="training drafter", unit="step", disable=not layout.is_main) as bar:
         for step in range(first, schedule.total):
             batch, tokens = batches(step)
@@ -383,7 +351,6 @@ def _train(run: RunContext, batches: Batches, first: int, checkpoint: Path | Non
             if done % cfg.log_every == 0 or done == schedule.total:
                 values = {"epoch": schedule.epoch(step), "loss": loss, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate}
                 metrics.log(done, drafter, values)
-                batches.adapt(metrics.progress.rows[-1])
             if done % cfg.checkpoint_every == 0 and done < schedule.total:
                 save_checkpoint(run.paths.checkpoints, done, drafter, optimizer, scheduler, progress, layout)
     end = time.perf_counter()

@@ -430,36 +430,3 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_drafter_config):
     assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-6)
     for plain, recomputed in zip(grads[0][1], grads[1][1]):
         torch.testing.assert_close(plain, recomputed, rtol=1e-5, atol=1e-7)
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_drafter_layers_can_start_as_the_targets_last_layers(family, tmp_path):
-    """train.init: target copies the target's last n layers, tensor for tensor, from its files; the norms a Llama
-    layer lacks keep their ones; a drafter of another shape is refused, naming the tensors."""
-    from conftest import build_drafter, llama_config, qwen3_config
-
-    from dflash.errors import ConfigError
-    from dflash.step import initialise_from_target
-    from dflash.target import Target
-
-    config = llama_config() if family == "llama" else qwen3_config()
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path)
-    target = Target(model=model, tokenizer=None, source=str(tmp_path), directory=str(tmp_path))
-
-    drafter = build_drafter(config, num_hidden_layers=2)
-    assert initialise_from_target(drafter, target) == [4, 5]
-    for layer, source in zip(drafter.layers, model.model.layers[4:]):
-        torch.testing.assert_close(layer.mlp.down_proj.weight, source.mlp.down_proj.weight, rtol=0, atol=0)
-        torch.testing.assert_close(layer.self_attn.q_proj.weight, source.self_attn.q_proj.weight, rtol=0, atol=0)
-        expected_norm = torch.ones(config.head_dim) if family == "llama" else source.self_attn.k_norm.weight
-        torch.testing.assert_close(layer.self_attn.k_norm.weight, expected_norm, rtol=0, atol=0)
-
-    narrow = build_drafter(config, num_hidden_layers=1, intermediate_size=32)
-    with pytest.raises(ConfigError, match=r"layer 5 does not fit.*mlp.down_proj.weight"):
-        initialise_from_target(narrow, target)
-    with pytest.raises(ConfigError, match="built in memory"):
-        initialise_from_target(drafter, Target.from_model(model))

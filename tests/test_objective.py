@@ -204,20 +204,6 @@ def test_position_accuracy_counts_per_block_position():
     assert correct.tolist() == [0, 3, 1]
 
 
-def test_acceptance_weights_are_the_derivative_of_tau():
-    """tau = 1 + a1 + a1 a2 + a1 a2 a3: d/da1 = 1 + a2 + a2 a3, d/da2 = a1 (1 + a3), d/da3 = a1 a2."""
-    from dflash.objective import acceptance_weights
-
-    a1, a2, a3 = 0.5, 0.25, 0.8
-    weights = acceptance_weights(torch.tensor([0.9, a1, a2, a3]))
-    expected = [0.0, 1 + a2 + a2 * a3, a1 * (1 + a3), a1 * a2]
-    torch.testing.assert_close(weights, torch.tensor(expected), rtol=1e-6, atol=0)
-    # Nothing right yet: all weight on the first drafted position, none further (it cannot be accepted).
-    torch.testing.assert_close(acceptance_weights(torch.zeros(4)), torch.tensor([0.0, 1.0, 0.0, 0.0]), rtol=0, atol=0)
-    # Everything right: position k gates the B-k positions from it on.
-    torch.testing.assert_close(acceptance_weights(torch.ones(4)), torch.tensor([0.0, 3.0, 2.0, 1.0]), rtol=0, atol=0)
-
-
 def test_lookup_hits_on_a_hand_made_case():
     """Text 5 6 7 9 5 6 7 (anchor at the last 7): the trigram 5 6 7 occurred at 0, so lookup proposes 9 5 6."""
     from dflash.objective import lookup_hits

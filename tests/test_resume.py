@@ -38,11 +38,11 @@ def inputs(tmp_path_factory):
     return manifest, samples
 
 
-def train_command(inputs, work: Path, levers: dict | None = None) -> list[str]:
+def train_command(inputs, work: Path) -> list[str]:
     manifest, samples = inputs
     return [
         sys.executable, "-m", "dflash", "train",
-        "--drafter", json.dumps(DRAFTER), "--train", json.dumps(TRAIN | (levers or {})), "--topology", "{}", "--tracking", json.dumps({"wandb_mode": "disabled"}),
+        "--drafter", json.dumps(DRAFTER), "--train", json.dumps(TRAIN), "--topology", "{}", "--tracking", json.dumps({"wandb_mode": "disabled"}),
         "--target-manifest", str(manifest), "--samples", str(samples),
         "--out-dir", str(work / "train"), "--checkpoint-dir", str(work / "cache"),
     ]  # fmt: skip
@@ -58,14 +58,11 @@ def checkpoint_steps(cache: Path) -> list[int]:
     return sorted(int(p.name.removeprefix("step-")) for p in cache.glob("*/step-*") if (p / "meta.json").is_file())
 
 
-# The levers' state must survive a resume too: the position weights come from the last metric row, and a
-# drafter started from the target's layers must not be started again over its checkpoint.
-@pytest.mark.parametrize("levers", [{}, {"position_weights": "acceptance", "init": "target"}], ids=["plain", "levers"])
-def test_kill_9_mid_run_then_rerun_ends_with_the_uninterrupted_weights(tmp_path, inputs, levers):
-    uninterrupted = run_to_end(train_command(inputs, tmp_path / "a", levers))
+def test_kill_9_mid_run_then_rerun_ends_with_the_uninterrupted_weights(tmp_path, inputs):
+    uninterrupted = run_to_end(train_command(inputs, tmp_path / "a"))
     assert uninterrupted["resumed_from"] == 0 and uninterrupted["steps"] == STEPS
 
-    command = train_command(inputs, tmp_path / "b", levers)
+    command = train_command(inputs, tmp_path / "b")
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
     deadline = time.monotonic() + 300
     while not checkpoint_steps(tmp_path / "b" / "cache") and process.poll() is None and time.monotonic() < deadline:

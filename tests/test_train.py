@@ -151,33 +151,3 @@ def test_a_checkpoint_belongs_to_what_is_trained_not_to_how_it_is_logged():
     assert resumable_settings(run) == {"train": {"lr": 1e-3}, "seed": 0}
     assert config_hash(resumable_settings(run)) == config_hash(resumable_settings(observed))
     assert config_hash(resumable_settings(run)) != config_hash(resumable_settings(run | {"train": {"lr": 2e-3}}))
-
-
-def test_acceptance_position_weights_rescale_the_decay():
-    """train.position_weights: acceptance gives position k the weight d(tau)/d(a_k) at the row's accuracies (floored),
-    with the decay's total; decay leaves the decay alone."""
-    import types
-
-    import pandas as pd
-
-    from dflash.config import TrainConfig
-    from dflash.objective import acceptance_weights, decay_weights
-    from dflash.train import ACCURACY_FLOOR, Batches
-
-    def batches(mode):
-        run = types.SimpleNamespace(
-            samples=pd.DataFrame({"input_ids": [[1, 2, 3]]}), cfg=TrainConfig(gamma=1.5, position_weights=mode), config=types.SimpleNamespace(block_size=4)
-        )
-        return Batches(run, source=None)
-
-    row = {"acc_1": 0.5, "acc_2": 0.0, "acc_3": 0.8}
-    plain = batches("decay")
-    plain.adapt(row)
-    assert plain.position_scale is None
-    adaptive = batches("acceptance")
-    adaptive.adapt(row)
-    decay = decay_weights(4, 1.5)
-    weights = decay * adaptive.position_scale
-    expected = acceptance_weights(torch.tensor([0.0, 0.5, ACCURACY_FLOOR, 0.8]))
-    torch.testing.assert_close(weights, expected * decay.sum() / expected.sum(), rtol=1e-5, atol=1e-7)
-    assert weights[0] == 0 and weights[3] > 0  # the floor keeps the last position measured
