@@ -23,7 +23,7 @@ import torch
 
 from dflash.config import TrainConfig
 from dflash.model import DFlashConfig
-from dflash.objective import Blocks, build_blocks, decay_weights, default_gamma, lookup_hits, sample_anchors, sample_positions
+from dflash.objective import Blocks, build_blocks, decay_weights, default_gamma, sample_anchors, sample_positions
 from dflash.vocab import DraftVocab
 
 
@@ -157,9 +157,6 @@ def make_batch(
     anchors, valid = torch.cat(anchors), torch.cat(valid)
     position_weights = decay_weights(config.block_size, cfg.gamma or default_gamma(config.block_size))
     blocks = build_blocks(ids, loss_mask, anchors, valid, position_weights, config.mask_token_id, greedy, (top_ids, top_probs) if top_k else None)
-    if cfg.lookup_weight < 1.0:
-        easy = lookup_hits(ids, anchors, blocks.labels, cfg.lookup_ngram)
-        blocks.weights = torch.where(easy, blocks.weights * cfg.lookup_weight, blocks.weights)
     if vocab is not None:
         # A label outside the draft vocabulary cannot be drafted: it trains nothing (and has no probability to learn).
         drafted = vocab.index[blocks.labels]

@@ -133,10 +133,6 @@ class TrainConfig:
     weight_decay: float = bounded(0.0, ge=0.0)
     grad_clip: float = bounded(1.0, gt=0.0)
     gamma: float | None = bounded(None, gt=0.0)  # loss decay; default by block size (7 for B=16)
-    # < 1: the loss weight of block positions prompt lookup already gets right, so that the drafter learns what
-    # lookup cannot (the hybrid takes lookup's proposal there); lookup_ngram as eval.prompt_lookup_ngram
-    lookup_weight: float = bounded(1.0, ge=0.0, le=1.0)
-    lookup_ngram: int = bounded(3, ge=1)
     distill_top_k: int = bounded(0, ge=0)  # train against the target's top-k next-token probabilities (0: its greedy token)
     sample_loss_positions: bool = False  # unbiased position sampling: same expected loss, ~45% of the LM-head cost at B=16
     hidden_states: Literal["cache", "online"] = "cache"

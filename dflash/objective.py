@@ -10,7 +10,6 @@ after ``a + k - 1``, for as long as the text agrees with that continuation.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 import torch
@@ -129,34 +128,6 @@ def build_blocks(
         soft_ids=soft_ids,
         soft_probs=soft_probs,
     )
-
-
-def lookup_hits(input_ids: torch.Tensor, anchors: torch.Tensor, labels: torch.Tensor, max_ngram: int) -> torch.Tensor:
-    """Where prompt lookup alone gets a block right: ``[b, A*B]``, True at position k of the block at anchor a when
-    lookup, from the tokens up to a, proposes ``labels`` at 1..k. Lookup as decoding runs it
-    (``dflash.decode.PromptLookupProposer``): the tokens after the latest earlier occurrence of the longest of the
-    last ``max_ngram`` .. 1 tokens. ``labels`` ``[b, A*B]`` as ``build_blocks`` gives them."""
-    batch, num_anchors = anchors.shape
-    block_size = labels.shape[1] // num_anchors
-    hits = torch.zeros(batch, num_anchors, block_size, dtype=torch.bool)
-    targets = labels.view(batch, num_anchors, block_size).tolist()
-    for row, (tokens, row_anchors) in enumerate(zip(input_ids.tolist(), anchors.tolist())):
-        begins: dict[tuple[int, ...], list[int]] = {}  # each n-gram's start positions, ascending
-        for n in range(1, max_ngram + 1):
-            for begin in range(len(tokens) - n + 1):
-                begins.setdefault(tuple(tokens[begin : begin + n]), []).append(begin)
-        for column, anchor in enumerate(row_anchors):
-            for n in range(min(max_ngram, anchor), 0, -1):
-                starts = begins.get(tuple(tokens[anchor - n + 1 : anchor + 1]), [])
-                latest = bisect.bisect_right(starts, anchor - n) - 1  # an occurrence that ends before the anchor
-                if latest >= 0:
-                    found = tokens[starts[latest] + n : starts[latest] + n + block_size - 1]
-                    for k, token in enumerate(found, start=1):
-                        if token != targets[row][column][k]:
-                            break
-                        hits[row, column, k] = True
-                    break
-    return hits.flatten(1).to(labels.device)
 
 
 def sample_positions(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -202,37 +202,3 @@ def test_position_accuracy_counts_per_block_position():
     # Position 2: counted in 3 (row 1 block 1 has weight 0); correct only in row 1 block 0 (2 != 3, 9 != 2).
     assert counted.tolist() == [0, 4, 3]
     assert correct.tolist() == [0, 3, 1]
-
-
-def test_lookup_hits_on_a_hand_made_case():
-    """Text 5 6 7 9 5 6 7 (anchor at the last 7): the trigram 5 6 7 occurred at 0, so lookup proposes 9 5 6."""
-    from dflash.objective import lookup_hits
-
-    ids = torch.tensor([[5, 6, 7, 9, 5, 6, 7, 0]])
-    anchors = torch.tensor([[6, 1]])
-    labels = torch.tensor([[7, 9, 5, 8, 6, 7, 9, 5]])  # anchor 6: 9 5 right, 8 wrong; anchor 1: nothing earlier matches 6
-    assert lookup_hits(ids, anchors, labels, max_ngram=3).tolist() == [[False, True, True, False, False, False, False, False]]
-
-
-def test_lookup_hits_are_what_decodings_prompt_lookup_proposes():
-    """On random texts of a small alphabet (many matches of every length), position k of a block is a hit exactly
-    when dflash.decode's prompt lookup, given the tokens up to the anchor, proposes the labels through k."""
-    from dflash.decode import PromptLookup, PromptLookupProposer
-    from dflash.objective import lookup_hits
-
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 4, (3, 40), generator=generator)
-    anchors = torch.arange(0, 40, 3)[:13].repeat(3, 1)
-    block = 4
-    labels = torch.randint(0, 4, (3, 13 * block), generator=generator)
-    hits = lookup_hits(ids, anchors, labels, max_ngram=3).view(3, 13, block)
-    proposer = PromptLookupProposer(PromptLookup(num_tokens=block - 1, max_ngram=3))
-    for row in range(3):
-        for column, anchor in enumerate(anchors[row].tolist()):
-            proposed = proposer.propose(ids[row, : anchor + 1].tolist(), block - 1).tokens
-            wanted = labels.view(3, 13, block)[row, column, 1:].tolist()
-            right = 0
-            while right < len(proposed) and proposed[right] == wanted[right]:
-                right += 1
-            assert hits[row, column].tolist() == [False] + [k <= right for k in range(1, block)], (row, anchor)
-    assert hits.any()
