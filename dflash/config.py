@@ -92,6 +92,11 @@ class GenerationConfig:
 TRANSPORT_KEYS = ("concurrency", "retries", "timeout")
 
 
+def is_hub_dataset(source: str) -> bool:
+    """A prompt source that names a Hugging Face hub dataset (``owner/name``): neither a named source nor a local path."""
+    return source not in NAMED_SOURCES and local_path(source) is None
+
+
 def hub_copy_name(prompts: PromptSource) -> str:
     """The file name of a hub dataset split's fetched copy (``dflash.data.fetch_hub_dataset``): ``owner--name--split``."""
     return f"{prompts.source.replace('/', '--')}--{prompts.split}"

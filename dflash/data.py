@@ -27,7 +27,7 @@ from pathlib import Path
 import pandas as pd
 
 from dflash import distributed
-from dflash.config import EMBEDDED, NAMED_SOURCES, SHAREGPT, DataConfig, PromptSource, local_path
+from dflash.config import EMBEDDED, SHAREGPT, DataConfig, PromptSource, is_hub_dataset, local_path
 from dflash.distributed import Layout
 from dflash.errors import InputError, MissingInputError
 from dflash.generation import Request, VllmTarget, open_engine, regenerate
@@ -123,7 +123,7 @@ def _records(source: str, split: str) -> list[dict]:
 def fetch_hub_dataset(prompts: PromptSource, out: Path) -> int:
     """Download the split of a hub dataset once, where the network is, into the local parquet file ``out``: the
     workflow's stages then read that copy, not the hub (cluster nodes are often offline). Returns its rows."""
-    if prompts.source in NAMED_SOURCES or local_path(prompts.source) is not None:
+    if not is_hub_dataset(prompts.source):
         raise InputError(f"{prompts.source!r} is not a hub dataset id (owner/name): nothing to fetch")
     import datasets
 

@@ -167,20 +167,17 @@ def _directory_mb(directory: Path) -> float:
 def warmup_cache(
     device: str,
     target_manifest: str | Path,
-    samples: str | Path,
+    shapes: list[list[int]],
     drafter: DrafterConfig,
     train: TrainConfig,
     topology: TopologyConfig,
     cache_dir: str | Path,
 ) -> WarmupVerdict:
-    from dflash.data import read_samples
-
+    """Compile the training step on ``device`` for every batch shape ``[rows, length]`` of the run into ``cache_dir``."""
     start = time.perf_counter()
     cache_dir = Path(cache_dir).resolve()
-    verdict = WarmupVerdict(device=device, cache_dir=str(cache_dir))
+    verdict = WarmupVerdict(device=device, cache_dir=str(cache_dir), shapes=shapes)
     torch_device, env = _device_env(device)
-    lengths = [len(ids) for ids in read_samples(samples)["input_ids"]]
-    verdict.shapes = [list(shape) for shape in step_shapes(lengths, train, topology.drafter_world)]
     check_memory(verdict, torch_device, target_manifest, drafter, train, topology)
     if not verdict.ok:
         verdict.summarize(f"{device}: not warmed, the run would not fit")
@@ -232,8 +229,12 @@ def warmup_caches(
     """``warmup_cache`` on every device at once, each into ``cache_root/<device>``: one job that sees a node's GPUs
     warms each of them (cudaN must compile for cuda:N), rather than one job per device seeing GPUs 0..N. The
     compiles run in processes of their own; the threads here only wait for them."""
+    from dflash.data import read_samples
+
+    lengths = [len(ids) for ids in read_samples(samples)["input_ids"]]
+    shapes = [list(shape) for shape in step_shapes(lengths, train, topology.drafter_world)]
     with ThreadPoolExecutor(max_workers=len(devices)) as pool:
-        runs = [pool.submit(warmup_cache, device, target_manifest, samples, drafter, train, topology, Path(cache_root) / device) for device in devices]
+        runs = [pool.submit(warmup_cache, device, target_manifest, shapes, drafter, train, topology, Path(cache_root) / device) for device in devices]
         return [run.result() for run in runs]
 
 

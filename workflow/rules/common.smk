@@ -9,7 +9,7 @@ from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
 sys.path.insert(0, workflow.basedir)
-from dflash.config import EMBEDDED, HELDOUT, HUMANEVAL, NAMED_SOURCES, TRANSPORT_KEYS, ConfigError, PromptSource, canonical_json, check_local_sources, hub_copy_name, load_config, local_path, to_dict
+from dflash.config import EMBEDDED, HELDOUT, HUMANEVAL, TRANSPORT_KEYS, ConfigError, PromptSource, canonical_json, check_local_sources, hub_copy_name, is_hub_dataset, load_config, to_dict
 from dflash.source_imports import function_import_statements, import_statements, imported_modules
 
 
@@ -45,7 +45,7 @@ VLLM_REGENERATES = CFG.data.generation.engine in ("auto", "vllm")
 HUB_DATASETS = {
     hub_copy_name(p): {"source": p.source, "split": p.split}
     for p in [CFG.data.prompts, *CFG.eval.sets]
-    if p.source not in NAMED_SOURCES and local_path(p.source) is None
+    if is_hub_dataset(p.source)
 }
 
 # Shell commands run `python -m dflash`: the interpreter running Snakemake, so that a venv works without
