@@ -205,11 +205,12 @@ class EvalSet:
 
 @dataclass
 class EvalConfig:
-    block_size: int | None = bounded(None, ge=MIN_BLOCK_SIZE)  # default: the drafter's
+    block_size: int | None = bounded(None, ge=MIN_BLOCK_SIZE)  # the drafter drafts block_size - 1 positions; default: its own
     max_new_tokens: int = bounded(128, ge=1)
     prompt_lookup_tokens: int | None = bounded(None, ge=1)  # the prompt-lookup arm proposes up to this many (default: block_size - 1, the same widest verify)
     prompt_lookup_ngram: int = bounded(3, ge=1)  # ... following the latest earlier occurrence of the context's last n-gram, n <= this
     gate: bool = True  # the drafter verifies the length its calibrated confidence pays for; false: its whole block
+    branches: int = bounded(1, ge=1)  # with the gate: its top-`branches` tokens per position, the others as alternatives to the first
     verify_cost: list[float] | None = None  # c(k)/c(1) for k = 1..widest verify; default: measured at the start
     # The target's dtype in decoding, whatever it trained in: in fp32 a verify of k tokens computes what k single steps
     # would, so `lossless` tests the decoding loop; in bf16 the two round differently and outputs may part at near-ties.
@@ -387,6 +388,8 @@ def _check_ranges(c: Config) -> None:
         raise ConfigError("topology.target_ranks: only a split topology has target ranks; set it to 0 or use kind: split")
     if c.eval.verify_cost is not None and (not c.eval.verify_cost or min(c.eval.verify_cost) <= 0):
         raise ConfigError(f"eval.verify_cost: c(k)/c(1) for k = 1, 2, ...: a non-empty list of positive numbers, got {c.eval.verify_cost}")
+    if c.eval.branches > 1 and not c.eval.gate:
+        raise ConfigError(f"eval.branches: {c.eval.branches} alternatives per position need the gate to choose among them; set eval.gate: true, or branches: 1")
     names = [s.name for s in c.eval.sets]
     if len(set(names)) != len(names):
         raise ConfigError(f"eval.sets: set names must be unique, got {names}")

@@ -103,9 +103,10 @@ class PromptResult:
     hybrid_tau: float
     tpot_hybrid_ms: float
     hybrid_lossless: bool
-    hybrid_lookup_steps: int  # verify steps that took prompt lookup's proposal
+    hybrid_steps: int  # the hybrid's verify steps
+    hybrid_lookup_steps: int  # ... that verified prompt lookup's tokens (alone or beside the drafter's)
     hybrid_dflash_steps: int  # ... the drafter's
-    hybrid_drafter_calls: int  # verify steps on which the hybrid ran the drafter at all
+    hybrid_drafter_calls: int  # ... on which the hybrid ran the drafter at all
 
 
 @dataclass
@@ -122,10 +123,16 @@ class Arms:
     head: Callable[[torch.Tensor], torch.Tensor]  # the drafter's logits (``draft_head``), built once
     draft_cost: float = 0.0  # the drafter's proposal, in target steps
     gate: bool = True  # False: the drafter arm verifies its whole block every step
+    branches: int = 1  # with the gate: the drafter's most probable tokens per position the verify may try
     confidence: LookupConfidence = field(default_factory=LookupConfidence)
 
+    @property
+    def width(self) -> int:
+        """The widest verify of the drafter's arms: its whole tree, with the gate."""
+        return 1 + (self.block_size - 1) * self.branches if self.gate else self.block_size
+
     def _drafter(self) -> DFlashProposer:
-        return DFlashProposer(self.target, self.drafter, self.calibration, self.draft_cost, self.head)
+        return DFlashProposer(self.target, self.drafter, self.calibration, self.draft_cost, self.head, self.branches, depth=self.block_size - 1)
 
     def dflash(self):
         return GatedProposer([self._drafter()], self.cost) if self.gate else self.drafter
@@ -137,14 +144,14 @@ class Arms:
 def evaluate_set(name: str, conversations: list[Conversation], arms: Arms, max_new_tokens: int) -> list[PromptResult]:
     """Each prompt decoded by every arm in turn: the autoregressive baseline, the drafter, prompt lookup, the hybrid."""
     rows = []
-    target, block_size = arms.target, arms.block_size
+    target, width = arms.target, arms.width
     for conversation in tqdm(conversations, desc=f"evaluating {name}", unit="prompt"):
         ids = torch.tensor([target.chat_prompt_ids(conversation.as_messages())])
         # Interleaved per prompt, so that load from other processes hits every arm alike.
         baseline = speculative_generate(target, None, ids, max_new_tokens, block_size=1)
-        drafted = speculative_generate(target, arms.dflash(), ids, max_new_tokens, block_size=block_size)
+        drafted = speculative_generate(target, arms.dflash(), ids, max_new_tokens, block_size=width)
         looked_up = speculative_generate(target, arms.lookup, ids, max_new_tokens)
-        hybrid = speculative_generate(target, arms.hybrid(), ids, max_new_tokens, block_size=block_size)
+        hybrid = speculative_generate(target, arms.hybrid(), ids, max_new_tokens, block_size=max(width, arms.lookup.block_size))
         stats = drafted.stats
         rows.append(
             PromptResult(
@@ -161,7 +168,8 @@ def evaluate_set(name: str, conversations: list[Conversation], arms: Arms, max_n
                 lossless=torch.equal(baseline.tokens, drafted.tokens),
                 acceptance_lengths=" ".join(map(str, stats.acceptance_lengths)),
                 verified_lengths=" ".join(map(str, stats.verified)),
-                per_position_acceptance=" ".join(f"{a:.4f}" for a in stats.per_position_acceptance),
+                # positions 1..B-1: a tree's verify is wider than the drafter's block, not deeper
+                per_position_acceptance=" ".join(f"{a:.4f}" for a in stats.per_position_acceptance[: arms.block_size - 1]),
                 predictions=" ".join(f"{k}:{p:.4f}:{int(a)}" for k, p, a in stats.predictions),
                 pld_tau=looked_up.stats.tau,
                 tpot_pld_ms=looked_up.stats.time_per_output_token * 1e3,
@@ -169,8 +177,9 @@ def evaluate_set(name: str, conversations: list[Conversation], arms: Arms, max_n
                 hybrid_tau=hybrid.stats.tau,
                 tpot_hybrid_ms=hybrid.stats.time_per_output_token * 1e3,
                 hybrid_lossless=torch.equal(baseline.tokens, hybrid.tokens),
-                hybrid_lookup_steps=hybrid.stats.choices["lookup"],
-                hybrid_dflash_steps=hybrid.stats.choices["dflash"],
+                hybrid_steps=len(hybrid.stats.acceptance_lengths),
+                hybrid_lookup_steps=hybrid.stats.steps_with("lookup"),
+                hybrid_dflash_steps=hybrid.stats.steps_with("dflash"),
                 hybrid_drafter_calls=hybrid.stats.consulted["dflash"],
             )
         )
@@ -180,7 +189,7 @@ def evaluate_set(name: str, conversations: list[Conversation], arms: Arms, max_n
 def summarize(name: str, rows: pd.DataFrame, block_size: int, target: Target, predicted: dict) -> dict:
     """One summary row: τ averaged per request then across requests; speedups from mean time per output token."""
     tpot_ar = rows["tpot_ar_ms"].mean()
-    hybrid_steps = rows["hybrid_lookup_steps"].sum() + rows["hybrid_dflash_steps"].sum()
+    hybrid_steps = rows["hybrid_steps"].sum()
     return {
         "set": name,
         "prompts": len(rows),
@@ -208,9 +217,10 @@ def summarize(name: str, rows: pd.DataFrame, block_size: int, target: Target, pr
     }
 
 
-def calibrate(target: Target, drafter: DFlashDrafter, validation: pd.DataFrame, block_size: int, head, seed: int = 0):
-    """The drafter at ``block_size`` on the validation samples, teacher-forced: the calibration of its confidence and
-    the blocks' outcomes (``dflash.step.BlockOutcomes``), through ``head`` (``draft_head``) as decoding drafts."""
+def calibrate(target: Target, drafter: DFlashDrafter, validation: pd.DataFrame, block_size: int, head, ranks: int = 1, seed: int = 0):
+    """The drafter at ``block_size`` on the validation samples, teacher-forced: the calibration of its confidence in
+    its ``ranks`` most probable tokens and the blocks' outcomes (``dflash.step.BlockOutcomes``), through ``head``
+    (``draft_head``) as decoding drafts."""
     from dflash.features import OnlineFeatures
     from dflash.step import ValidationData, validation_outcomes
 
@@ -218,19 +228,31 @@ def calibrate(target: Target, drafter: DFlashDrafter, validation: pd.DataFrame, 
     rows = OnlineFeatures(target, validation, config.target_layer_ids).rows(list(range(len(validation))))
     cfg = TrainConfig(precision="fp32", max_anchors=512)  # every anchor of a sample: validation samples are short
     data = ValidationData(validation, rows, drafter.draft_vocab, seed)
-    outcomes = validation_outcomes(drafter, target, head, data, config, cfg)
-    return Calibration.fit(outcomes.confidence, outcomes.correct, outcomes.counted), outcomes
+    outcomes = validation_outcomes(drafter, target, head, data, config, cfg, ranks)
+    return Calibration.fit_ranked(*outcomes.ranked(), outcomes.counted), outcomes
 
 
-def predicted_tau(outcomes, calibration: Calibration, cost: VerifyCost | None, draft_cost: float) -> dict:
-    """τ teacher-forced on the validation blocks: verifying every draft position, and what the gate would verify."""
+def predicted_tau(outcomes, calibration: Calibration, cost: VerifyCost, draft_cost: float, branches: int = 1) -> dict:
+    """τ teacher-forced on the validation blocks: verifying every draft position, and what the gate would verify
+    of the drafter's tree of ``branches`` (a chain for 1): its gain, per block, from the tokens the gate chooses."""
     blocks = outcomes.counted[:, 0]
-    correct, counted, confidence = outcomes.correct[blocks], outcomes.counted[blocks], outcomes.confidence[blocks]
-    result = {"tau": float(acceptance_lengths(correct, counted).float().mean())} if len(correct) else {}
-    if len(correct):
-        lengths = torch.tensor([cost.best_length(calibration(row.tolist()), draft_cost)[0] for row in confidence])
-        result["tau_gated"] = float(acceptance_lengths(correct, counted, lengths).float().mean())
-    return result
+    if not blocks.any():
+        return {}
+    correct, counted = outcomes.correct[blocks], outcomes.counted[blocks]
+    probs, ranked_correct = (t[blocks, :, :branches] for t in outcomes.ranked())
+    gate = GatedProposer([], cost)
+    lengths = []
+    for p, right, labelled in zip(probs.tolist(), ranked_correct.tolist(), counted.tolist()):
+        positions = len(labelled)
+        # Token ids stand for (rank, position): the tree DFlashProposer builds, gated as decoding gates it.
+        tree = DFlashProposer.tree([[r * positions + k for k in range(positions)] for r in range(branches)], list(map(list, zip(*p))), calibration)
+        chosen = set(gate.choose(tree, positions * branches, draft_cost).tokens)
+        run = 0
+        while run < positions and run in chosen and right[run][0] and labelled[run]:
+            run += 1
+        alternative = run < positions and labelled[run] and any(r * positions + run in chosen and right[run][r] for r in range(1, branches))
+        lengths.append(1 + run + alternative)
+    return {"tau": float(acceptance_lengths(correct, counted).float().mean()), "tau_gated": sum(lengths) / len(lengths)}
 
 
 @torch.no_grad()
@@ -278,7 +300,7 @@ def run_evaluation(
     drafting = draft_linears(drafter, cfg.draft_kernel)
     head = draft_head(target, drafter)
     log.info("target's linears: %s; the drafter's: %s", f"oneDNN packed ({packed})" if packed else "torch's default", drafting)
-    widest = max(block_size, lookup.block_size)
+    widest = max(1 + (block_size - 1) * cfg.branches, lookup.block_size)
     cost = VerifyCost(tuple(cfg.verify_cost)) if cfg.verify_cost else measure_verify_cost(target, widest)
     if cost.max_width < widest:
         raise InputError(f"eval.verify_cost has {cost.max_width} widths, but the arms verify up to {widest}: give c(k)/c(1) for k = 1..{widest}")
@@ -289,9 +311,9 @@ def run_evaluation(
             "the evaluation calibrates the drafter's confidence on the validation samples, and prepare_data made none: "
             "raise data.validation, or data.heldout_fraction (validation samples come from the held-out prompts evaluation does not use)"
         )
-    calibration, outcomes = calibrate(target, drafter, validation, block_size, head)
+    calibration, outcomes = calibrate(target, drafter, validation, block_size, head, cfg.branches)
     calibration.save(out_dir / "calibration.json")
-    predicted = predicted_tau(outcomes, calibration, cost, draft_cost)
+    predicted = predicted_tau(outcomes, calibration, cost, draft_cost, cfg.branches)
     (out_dir / "verify_cost.json").write_text(
         json.dumps(cost.to_dict() | {"draft": draft_cost, "linear_kernel": "packed" if packed else "default", "draft_kernel": drafting}, indent=2) + "\n"
     )
@@ -305,6 +327,7 @@ def run_evaluation(
         head=head,
         draft_cost=draft_cost,
         gate=cfg.gate,
+        branches=cfg.branches,
     )
     summary = []
     for eval_set in cfg.sets:

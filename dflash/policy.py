@@ -14,15 +14,24 @@ with more draft tokens, which can only add accepted tokens), d what drafting
 costs per step. With no confidence it proposes nothing; with full confidence,
 the whole block wherever the verify costs less than a step per token.
 
-The drafter's q come from its own top probability at each block position,
-calibrated on validation data (``Calibration``); prompt lookup's from the
-acceptance observed so far for proposals of the same match length
-(``LookupConfidence``).
+A token tree (alternatives to a token, each on a branch of its own) is gated
+the same way: E is 1 plus the sum, over the tokens verified, of each one's
+probability that its whole branch is accepted (its path value), so the gate
+takes the tokens of highest path value. A chain's path values are the
+products above; an alternative's is its own q times its parent's.
+
+The drafter's q come from its own probability of each token it proposes,
+calibrated on validation data per position and per rank (``Calibration``: its
+first choice, and its second, third... as alternatives to the first); prompt
+lookup's from the acceptance observed so far for proposals of the same match
+length (``LookupConfidence``).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import operator
 import statistics
 import time
 from collections import defaultdict
@@ -56,30 +65,32 @@ class VerifyCost:
             raise ValueError(f"width {wanted} outside the cost table's 1..{self.max_width}")
         return min(range(wanted, self.max_width + 1), key=lambda k: (self.relative[k - 1], k))
 
-    def best_length(self, accept: Sequence[float], draft_cost: float = 0.0) -> tuple[int, float]:
-        """``(n, gain)``: how many tokens to verify after the last committed one, and the expected committed tokens per
-        unit of cost that gives: the best over the proposal's prefixes, each padded to its cheapest width (slots past
-        the proposal's end expect nothing). ``accept`` holds the proposal's conditional acceptance probabilities."""
-        limit = min(len(accept), self.max_width - 1)
+    def best_count(self, values: Sequence[float], draft_cost: float = 0.0) -> tuple[int, float]:
+        """``(n, gain)``: how many draft tokens to verify after the last committed one, and the expected committed
+        tokens per unit of cost that gives. ``values`` are the proposal's tokens' probabilities of being accepted, each
+        its whole path's (a token counts only with every token before it on its branch), highest first: the verify
+        takes the first n, padded to their cheapest width (slots past the proposal's end expect nothing). A chain's
+        values are the running products of its conditional acceptances (``path_values``)."""
+        limit = min(len(values), self.max_width - 1)
         best, best_gain = 0, 0.0
         for n in range(limit + 1):
             width = self.width(n + 1)
-            gain = expected_tokens(accept[: width - 1]) / (self.relative[width - 1] + draft_cost)
+            gain = (1.0 + sum(values[: width - 1])) / (self.relative[width - 1] + draft_cost)
             if gain > best_gain + 1e-12:
                 best, best_gain = width - 1, gain
         return best, best_gain
+
+    def best_length(self, accept: Sequence[float], draft_cost: float = 0.0) -> tuple[int, float]:
+        """``best_count`` for a chain whose tokens' conditional acceptance probabilities are ``accept``."""
+        return self.best_count(path_values(accept), draft_cost)
 
     def to_dict(self) -> dict:
         return {"relative": list(self.relative), "step_ms": self.step_ms}
 
 
-def expected_tokens(accept: Sequence[float]) -> float:
-    """E(n) for the whole proposal: the target's token plus the expected accepted prefix."""
-    expected, prefix = 1.0, 1.0
-    for q in accept:
-        prefix *= q
-        expected += prefix
-    return expected
+def path_values(accept: Sequence[float]) -> list[float]:
+    """A chain's tokens' probabilities of being accepted: the running products of their conditional ones."""
+    return list(itertools.accumulate(accept, operator.mul))
 
 
 @torch.no_grad()
@@ -119,6 +130,9 @@ class Calibration:
     upper: list[list[float]]  # per position: each bin's highest top probability (the last bin takes everything above)
     rates: list[list[float]]  # per position: each bin's observed acceptance
     counts: list[list[int]]
+    # The same for the drafter's second, third... choice at each position, as the alternative to its first: the
+    # probability that it is the target's token given that the first choices before it were.
+    runner_up: list[Calibration] = field(default_factory=list)
 
     @property
     def positions(self) -> int:
@@ -139,9 +153,11 @@ class Calibration:
         return [rates[-1] if rates else 0.0 for rates in self.rates[:count]] + [0.0] * max(0, count - self.positions)
 
     @classmethod
-    def fit(cls, probs: torch.Tensor, correct: torch.Tensor, counted: torch.Tensor, bins: int = 10) -> Calibration:
-        """From blocks ``[N, P]``: the drafter's top probability at positions 1..P, whether it was the target's token,
-        and whether the position was labelled. Position k uses the blocks whose positions 1..k-1 were all correct."""
+    def fit(cls, probs: torch.Tensor, correct: torch.Tensor, counted: torch.Tensor, bins: int = 10, first: torch.Tensor | None = None) -> Calibration:
+        """From blocks ``[N, P]``: the drafter's probability of a token at positions 1..P, whether it was the target's
+        token, and whether the position was labelled. Position k uses the blocks whose positions 1..k-1 were all
+        correct: by ``first`` ``[N, P]``, the correctness of the first choices, where ``probs`` are of another."""
+        first = correct if first is None else first
         upper, rates, counts = [], [], []
         prefix = torch.ones(probs.shape[0], dtype=torch.bool)
         for k in range(probs.shape[1]):
@@ -160,18 +176,33 @@ class Calibration:
             upper.append([u for u, _, _ in pooled])
             rates.append([s / n for _, s, n in pooled])
             counts.append([n for _, _, n in pooled])
-            prefix = prefix & correct[:, k] & counted[:, k]
+            prefix = prefix & first[:, k] & counted[:, k]
         return cls(upper=upper, rates=rates, counts=counts)
 
+    @classmethod
+    def fit_ranked(cls, probs: torch.Tensor, correct: torch.Tensor, counted: torch.Tensor, bins: int = 10) -> Calibration:
+        """From blocks ``[N, P, R]``: the drafter's R most probable tokens at each position, best first. The first
+        choice's calibration, with its ``runner_up`` for the others."""
+        calibration = cls.fit(probs[..., 0], correct[..., 0], counted, bins)
+        calibration.runner_up = [cls.fit(probs[..., r], correct[..., r], counted, bins, first=correct[..., 0]) for r in range(1, probs.shape[-1])]
+        return calibration
+
+    def to_dict(self) -> dict:
+        return {"upper": self.upper, "rates": self.rates, "counts": self.counts, "runner_up": [c.to_dict() for c in self.runner_up]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Calibration:
+        runner_up = [cls.from_dict(c) for c in data.get("runner_up", [])]
+        return cls(upper=data["upper"], rates=data["rates"], counts=data["counts"], runner_up=runner_up)
+
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps({"upper": self.upper, "rates": self.rates, "counts": self.counts}, indent=1) + "\n")
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
         try:
-            data = json.loads(Path(path).read_text())
-            return cls(upper=data["upper"], rates=data["rates"], counts=data["counts"])
-        except (OSError, ValueError, KeyError) as err:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as err:
             raise InputError(f"{path}: not a calibration written by dflash ({err}); rerun the evaluate stage") from err
 
 

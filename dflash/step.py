@@ -135,6 +135,9 @@ class BlockOutcomes:
     correct: torch.Tensor  # bool: its top token is the target's greedy token
     counted: torch.Tensor  # bool: the position is labelled (in range, in the loss mask, in the draft vocabulary)
     confidence: torch.Tensor  # its top token's probability
+    # [blocks, positions, ranks - 1]: the same for its second, third... most probable tokens
+    runner_up_correct: torch.Tensor | None = None
+    runner_up_confidence: torch.Tensor | None = None
 
     def accuracy(self) -> list[float]:
         """Per position 1..B-1, over the labelled positions, as training's accuracy counts them."""
@@ -146,15 +149,25 @@ class BlockOutcomes:
         blocks = self.counted[:, 0]
         return float(acceptance_lengths(self.correct[blocks], self.counted[blocks]).sum()), int(blocks.sum())
 
+    def ranked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(confidence, correct)`` ``[blocks, positions, ranks]``, the first choice first."""
+        probs, correct = [self.confidence[..., None]], [self.correct[..., None]]
+        if self.runner_up_correct is not None:
+            probs.append(self.runner_up_confidence)
+            correct.append(self.runner_up_correct)
+        return torch.cat(probs, -1), torch.cat(correct, -1)
+
     @classmethod
     def cat(cls, parts: list[BlockOutcomes]) -> BlockOutcomes:
-        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("correct", "counted", "confidence")))
+        fields = [f.name for f in dataclasses.fields(cls) if getattr(parts[0], f.name) is not None]
+        return cls(**{f: torch.cat([getattr(p, f) for p in parts]) for f in fields})
 
 
 @torch.no_grad()
-def block_outcomes(drafter, target: Target, project, batch: Batch, cfg: TrainConfig) -> BlockOutcomes:
-    """What the drafter drafts on a batch's blocks, every labelled position compared with the target's token;
-    ``project`` maps its hidden states to logits (``dflash.kernels.projection`` of the frozen head)."""
+def block_outcomes(drafter, target: Target, project, batch: Batch, cfg: TrainConfig, ranks: int = 1) -> BlockOutcomes:
+    """What the drafter drafts on a batch's blocks, every labelled position compared with the target's token, for its
+    ``ranks`` most probable tokens; ``project`` maps its hidden states to logits (``dflash.kernels.projection`` of the
+    frozen head)."""
     dtype = autocast_dtype(cfg.precision, target.device)
     with torch.autocast(target.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
         hidden = drafter_hidden(drafter, target, batch, cfg.attention_backend)
@@ -164,12 +177,19 @@ def block_outcomes(drafter, target: Target, project, batch: Batch, cfg: TrainCon
     counted = batch.blocks.weights.view(-1, block_size)[:, 1:].to(target.device) > 0
     top, predicted = [], []
     for chunk in hidden.split(max(1, cfg.head_chunk // block_size)):
-        probs = torch.softmax(project(chunk).float(), dim=-1)
-        best = probs.max(-1)
+        best = torch.softmax(project(chunk).float(), dim=-1).topk(ranks, dim=-1)
         top.append(best.values)
         predicted.append(best.indices)
     predicted, top = torch.cat(predicted), torch.cat(top)
-    return BlockOutcomes(correct=((predicted == labels) & counted).cpu(), counted=counted.cpu(), confidence=top.cpu())
+    correct = ((predicted == labels[..., None]) & counted[..., None]).cpu()
+    top = top.cpu()
+    return BlockOutcomes(
+        correct=correct[..., 0],
+        counted=counted.cpu(),
+        confidence=top[..., 0],
+        runner_up_correct=correct[..., 1:] if ranks > 1 else None,
+        runner_up_confidence=top[..., 1:] if ranks > 1 else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -186,12 +206,12 @@ class ValidationData:
         return make_batch(self.samples, indices, [self.rows[i] for i in indices], config, cfg, self.seed, 0, self.vocab)
 
 
-def validation_outcomes(drafter, target: Target, project, data: ValidationData, config: DFlashConfig, cfg: TrainConfig) -> BlockOutcomes:
+def validation_outcomes(drafter, target: Target, project, data: ValidationData, config: DFlashConfig, cfg: TrainConfig, ranks: int = 1) -> BlockOutcomes:
     """``block_outcomes`` over all of ``data`` in this process, every position weighted."""
     cfg = dataclasses.replace(cfg, sample_loss_positions=False)
     count = len(data.samples)
     batches = (data.batch(list(range(begin, min(count, begin + cfg.batch_size))), config, cfg) for begin in range(0, count, cfg.batch_size))
-    return BlockOutcomes.cat([block_outcomes(drafter, target, project, batch, cfg) for batch in batches])
+    return BlockOutcomes.cat([block_outcomes(drafter, target, project, batch, cfg, ranks) for batch in batches])
 
 
 @torch.no_grad()

@@ -39,6 +39,7 @@ def test_empty_config_takes_every_default():
         ({"train": {"lr": "nan"}}, "train.lr"),
         ({"drafter": {"layer_ids": ["1", "x"]}}, "drafter.layer_ids"),
         ({"eval": {"verify_cost": [1.0, 0.0]}}, "eval.verify_cost"),
+        ({"eval": {"branches": 3, "gate": False}}, "eval.branches"),
         ({"eval": {"linear_kernel": "mkl"}}, "eval.linear_kernel"),
         # Declared bounds, nested and in lists included.
         ({"data": {"max_length": 4}}, "data.max_length: must be at least 8, got 4"),

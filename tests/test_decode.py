@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import EOS, MASK, build_drafter, build_target, llama_config, qwen3_config, random_prompt
 
-from dflash.decode import DFlashProposer, PromptLookup, PromptLookupProposer, speculative_generate
+from dflash.decode import DFlashProposer, PromptLookup, PromptLookupProposer, Proposal, accepted_path, speculative_generate, token_depths, tree_mask
 from dflash.vocab import DraftVocab
 
 _GREEDY_MEMO: dict = {}
@@ -121,6 +121,73 @@ def test_lossless_under_partial_acceptance(make_config):
             check_stats(gen, block_size, 32)
             seen.update(a for a in gen.stats.acceptance_lengths[:-1] if 1 < a < block_size)
     assert seen, "no partially accepted block: the test did not exercise cache rollback"
+
+
+# -- token trees -------------------------------------------------------------------------------------------
+
+
+def test_a_token_tree_sees_only_its_branch_and_accepts_the_branch_the_target_follows():
+    parents = [-1, -1, 0, 1]  # draft tokens 0 and 1 follow the last committed token; 2 follows 0, 3 follows 1
+    assert token_depths(parents) == [1, 1, 2, 2]
+    mask = tree_mask(parents, past=2, device=torch.device("cpu"))
+    assert mask[0, 0].int().tolist() == [
+        [1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 1, 0, 0],
+        [1, 1, 1, 1, 0, 1, 0],
+        [1, 1, 1, 0, 1, 0, 1],
+    ]
+    draft = [5, 6, 7, 8]
+    # verified[j]: the target's token after block position j (0: the last committed token, j: draft token j - 1).
+    assert accepted_path(draft, parents, [6, 0, 8, 0, 9]) == [1, 3]  # the second branch, whole
+    assert accepted_path(draft, parents, [5, 1, 0, 0, 0]) == [0]  # the first branch, its first token only
+    assert accepted_path(draft, parents, [4, 7, 8, 0, 0]) == []  # no branch
+
+
+class FanOutProposer:
+    """Proposes every token of an 8-token vocabulary as the next one (so that one is always accepted), and a 2-token
+    chain after one of them that moves each step; records the target features it is told of."""
+
+    name = "fan-out"
+    needs_hidden_states = True
+    draft_cost = 0.0
+
+    def __init__(self):
+        self.step, self.seen = 0, []
+
+    def observe(self, hidden_states, count: int, start: int) -> None:
+        assert start == sum(h.shape[1] for h in self.seen)  # told of every committed position once, in order
+        self.seen.append(hidden_states[-1][:, :count])
+
+    def propose(self, tokens: list[int], count: int) -> Proposal:
+        self.step += 1
+        branch = self.step % 8
+        return Proposal(list(range(8)) + [tokens[-1], (tokens[-1] + self.step) % 8], parents=[-1] * 8 + [branch, 8])
+
+    def ceiling(self, count: int):
+        return None
+
+    def feedback(self, proposal: Proposal, path: list[int]) -> None:
+        pass
+
+
+@pytest.mark.parametrize("make_config", [llama_config, qwen3_config], ids=["llama", "qwen3"])
+def test_token_trees_are_lossless_and_keep_the_accepted_branch_in_the_caches(make_config):
+    """Accepted branches off the block's first positions exercise the caches' compaction: a wrong key or value kept
+    would change the target's next tokens, and a wrong feature the ones the proposer is told of."""
+    target = build_target(make_config(vocab_size=8, eos_token_id=None, pad_token_id=0), seed=0)
+    for length, seed in ((5, 0), (11, 2)):
+        ids = torch.randint(0, 8, (1, length), generator=torch.Generator().manual_seed(seed))
+        proposer = FanOutProposer()
+        gen = speculative_generate(target, proposer, ids, 32, block_size=11)
+        assert gen.tokens.tolist() == greedy(target, ids, 32)
+        # Wherever the whole fan-out was verified (the last steps are cut short by the budget), it had the target's token.
+        assert all(a >= 2 for a, v in zip(gen.stats.acceptance_lengths, gen.stats.verified) if v >= 8)
+        assert any(a == 3 for a in gen.stats.acceptance_lengths)  # ... and the chain after it, sometimes
+        tokens = ids[0].tolist() + gen.tokens.tolist()
+        out = target.model(torch.tensor([tokens[:-1]]), output_hidden_states=True)
+        # (the last step may process more than the budget lets it commit)
+        assert torch.allclose(torch.cat(proposer.seen, dim=1)[:, : len(tokens) - 1], out.hidden_states[-1], atol=1e-5)
 
 
 # -- an oracle drafter with a known acceptance --------------------------------------------------

@@ -10,9 +10,9 @@ from conftest import build_drafter, build_target, qwen3_config, random_prompt
 from test_decode import constant_drafter, constant_target, greedy
 from transformers import DynamicCache
 
-from dflash.decode import DFlashProposer, GatedProposer, PromptLookup, PromptLookupProposer, Proposal, draft_head, speculative_generate
+from dflash.decode import DFlashProposer, GatedProposer, PromptLookup, PromptLookupProposer, Proposal, draft_head, merge, speculative_generate
 from dflash.kernels import PackedLinear, draft_linears, int8_kernel_available, kernel_of, pack_linears, packed_kernel_available
-from dflash.policy import Calibration, LookupConfidence, VerifyCost, acceptance_lengths, expected_tokens
+from dflash.policy import Calibration, LookupConfidence, VerifyCost, acceptance_lengths, path_values
 from dflash.step import BlockOutcomes
 
 # -- the gate ----------------------------------------------------------------------------------------------
@@ -36,7 +36,7 @@ def test_gate_weighs_expected_tokens_against_cost_and_the_drafting_cost():
     assert cost.best_length([0.15, 0.0])[0] == 0
     # A drafting cost of 0.5 step is paid whatever is verified: 1.15 / 1.7 = 0.68 > 1 / 1.5 = 0.67.
     assert cost.best_length([0.15, 0.0], draft_cost=0.5)[0] == 1
-    assert expected_tokens([0.5, 0.5]) == 1.75
+    assert path_values([0.5, 0.5]) == [0.5, 0.25]
 
 
 def test_verify_is_padded_to_the_cheapest_width_at_or_above_the_wanted_one():
@@ -50,6 +50,97 @@ def test_verify_is_padded_to_the_cheapest_width_at_or_above_the_wanted_one():
     assert cost.best_length([0.9]) == (3, pytest.approx(1.9 / 1.4))
     with pytest.raises(ValueError):
         VerifyCost((1.0, -1.0))
+
+
+def test_gate_takes_a_trees_most_likely_tokens_each_after_its_parent():
+    cost = VerifyCost((1.0, 1.1, 1.2, 1.3, 2.0))
+    # A chain a b c (values .6 .3 .15), d an alternative to a (.3), e to b (.6 x .2 = .12).
+    tree = Proposal([10, 11, 12, 13, 14], accept=[0.6, 0.5, 0.5, 0.3, 0.2], parents=[-1, 0, 1, -1, 0], source="dflash")
+    assert tree.values() == pytest.approx([0.6, 0.3, 0.15, 0.3, 0.12])
+    # E / cost: 1 token 1.6/1.1, 2 tokens (a, d: the shallower of equals first) 1.9/1.2, 3 (b too) 2.2/1.3, 4 2.35/2.0.
+    chosen = GatedProposer([], cost).choose(tree, 4, 0.0)
+    assert chosen == Proposal([10, 13, 11], accept=[0.6, 0.3, 0.5], parents=[-1, -1, 0], source="dflash", own=3)
+    # A cheaper 5-wide verify makes 4 tokens pay (2.35 / 1.35), the last one c, after b.
+    cheaper = GatedProposer([], VerifyCost((1.0, 1.1, 1.2, 1.3, 1.35)))
+    assert cheaper.choose(tree, 4, 0.0) == Proposal([10, 13, 11, 12], accept=[0.6, 0.3, 0.5, 0.5], parents=[-1, -1, 0, 2], source="dflash", own=4)
+    assert cheaper.choose(tree, 2, 0.0).tokens == [10, 13]  # at most the count asked for
+    # A token the drafter cannot be right about is not verified, whatever was paid to draft it.
+    assert GatedProposer([], cost).choose(Proposal([10], accept=[0.0], source="dflash"), 4, 3.0).tokens == []
+
+
+def test_merged_proposals_share_a_path_and_keep_its_highest_probability():
+    lookup = Proposal([5, 6], accept=[0.8, 0.5], source="lookup")
+    drafter = Proposal([5, 7, 9], accept=[0.5, 0.5, 0.2], parents=[-1, 0, -1], source="dflash")
+    tree = merge([lookup, drafter])
+    assert tree.tokens == [5, 6, 7, 9] and tree.parents == [-1, 0, 0, -1] and tree.source == "lookup+dflash"
+    assert tree.values() == pytest.approx([0.8, 0.4, 0.25, 0.2])
+    assert tree.origins == [frozenset({"lookup", "dflash"}), frozenset({"lookup"}), frozenset({"dflash"}), frozenset({"dflash"})]
+
+
+class FixedProposer:
+    """A candidate that proposes the same tree every step."""
+
+    needs_hidden_states = False
+
+    def __init__(self, name: str, proposal: Proposal, draft_cost: float = 0.0):
+        self.name, self.proposal, self.draft_cost = name, proposal, draft_cost
+
+    def observe(self, hidden_states, count: int, start: int) -> None:
+        pass
+
+    def propose(self, tokens: list[int], count: int) -> Proposal:
+        return self.proposal
+
+    def ceiling(self, count: int):
+        return None
+
+    def feedback(self, proposal: Proposal, path: list[int]) -> None:
+        pass
+
+
+def test_hybrid_verifies_lookup_and_the_drafter_together_and_tells_lookup_of_its_own_tokens():
+    confidence = LookupConfidence()
+    for k in (1, 2):
+        confidence.tried[1, k], confidence.accepted[1, k] = 8, 6  # (6 + 1) / (8 + 2) = 0.7 for each of 2 tokens
+    lookup = PromptLookupProposer(PromptLookup(2), confidence)
+    drafter = FixedProposer("dflash", Proposal([4, 8], accept=[0.5, 0.0], parents=[-1, -1], source="dflash"))
+    gated = GatedProposer([lookup, drafter], VerifyCost((1.0, 1.0, 1.0, 1.0)))
+    # Lookup proposes 3 4 (after the earlier 9) at .7 and .49; the drafter's 4 and 8 at .5 and 0: a flat cost takes
+    # the three likeliest, lookup's 3, the drafter's 4 beside it, then lookup's 4.
+    proposal = gated.propose([9, 3, 4, 2, 9], 3)
+    assert proposal.tokens == [3, 4, 4] and proposal.parents == [-1, -1, 0] and proposal.source == "lookup+dflash"
+    assert proposal.origins == [frozenset({"lookup"}), frozenset({"dflash"}), frozenset({"lookup"})]
+    # The target took the drafter's 4: lookup hears that its 2 tokens were verified and none accepted.
+    gated.feedback(proposal, [1])
+    assert confidence.tried[1, 1] == 9 and confidence.accepted[1, 1] == 6 and confidence.tried[1, 2] == 8
+    gated.propose([9, 3, 4, 2, 9], 3)
+    gated.feedback(proposal, [0, 2])  # lookup's both
+    assert (confidence.tried[1, 1], confidence.accepted[1, 1], confidence.tried[1, 2], confidence.accepted[1, 2]) == (10, 7, 9, 7)
+
+
+def _ranked_fixed(q: float, runner_up: float) -> Calibration:
+    calibration = _fixed(q)
+    calibration.runner_up = [_fixed(runner_up)]
+    return calibration
+
+
+def test_a_gated_drafter_tree_is_lossless_and_its_alternatives_are_accepted():
+    """An 8-token vocabulary makes the drafter's second choices right often: the gate verifies them beside its first
+    (a flat cost pays for every token), and decoding stays the target's own."""
+    target = _vocab8_target()
+    drafter = build_drafter(target.config, seed=3, init_std=0.2, mask_token_id=7)
+    cost = VerifyCost((1.0,) * 7)
+    accepted_alternatives = 0
+    for length, seed in ((5, 0), (8, 1), (11, 2)):
+        ids = torch.randint(0, 7, (1, length), generator=torch.Generator().manual_seed(seed))
+        tree = DFlashProposer(target, drafter, _ranked_fixed(0.6, 0.3), branches=2, depth=3)
+        gen = speculative_generate(target, GatedProposer([tree], cost), ids, 32)
+        assert gen.tokens.tolist() == greedy(target, ids, 32)
+        assert max(gen.stats.verified) == 6  # the whole tree: 3 first choices and 3 second ones
+        accepted_alternatives += sum(p == 0.3 and a for _, p, a in gen.stats.predictions)
+    assert accepted_alternatives > 0
+    with pytest.raises(ValueError, match="2 most probable"):
+        DFlashProposer(target, drafter, _fixed(0.6), branches=2)
 
 
 # -- calibration and τ -------------------------------------------------------------------------------------
@@ -77,6 +168,44 @@ def test_calibration_round_trips_and_rejects_a_foreign_file(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a calibration"):
         Calibration.load(tmp_path / "bad.json")
+
+
+def test_runner_up_calibration_conditions_on_the_first_choices_before_it(tmp_path):
+    # Blocks [4, 2 positions, 2 ranks]: is the first choice, and the second, the target's token?
+    first = torch.tensor([[1, 0], [0, 1], [1, 1], [0, 0]], dtype=torch.bool)
+    second = torch.tensor([[0, 1], [1, 1], [0, 0], [0, 0]], dtype=torch.bool)
+    correct = torch.stack([first, second], dim=-1)
+    probs = torch.stack([torch.full((4, 2), 0.6), torch.full((4, 2), 0.2)], dim=-1)
+    cal = Calibration.fit_ranked(probs, correct, torch.ones(4, 2, dtype=torch.bool), bins=1)
+    assert cal.rates == [[0.5], [0.5]]  # position 2 over blocks 1 and 3, whose first choice at 1 was right
+    # The second choice at position 2 also over blocks 1 and 3 (block 2's is right, but its first at 1 was not).
+    assert len(cal.runner_up) == 1 and cal.runner_up[0].rates == [[0.25], [0.5]]
+    cal.save(tmp_path / "calibration.json")
+    assert Calibration.load(tmp_path / "calibration.json") == cal
+
+
+def test_predicted_tau_of_a_gated_tree_counts_an_accepted_alternative():
+    from dflash.evaluate import predicted_tau
+
+    # 5 blocks of 3 positions; the last is not labelled at its first position, so it does not count.
+    first = torch.tensor([[1, 1, 0], [0, 1, 1], [0, 0, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    second = torch.tensor([[0, 0, 1], [1, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]], dtype=torch.bool)
+    counted = torch.ones(5, 3, dtype=torch.bool)
+    counted[4, 0] = False
+    outcomes = BlockOutcomes(
+        correct=first,
+        counted=counted,
+        confidence=torch.full((5, 3), 0.9),
+        runner_up_correct=second[..., None],
+        runner_up_confidence=torch.full((5, 3, 1), 0.05),
+    )
+    calibration = _ranked_fixed(0.6, 0.3)
+    # A flat cost verifies all 6 tokens: τ = 1 + the run of first choices + 1 where the next one's alternative is right.
+    flat = predicted_tau(outcomes, calibration, VerifyCost((1.0,) * 7), 0.0, branches=2)
+    assert flat == {"tau": pytest.approx((3 + 1 + 1 + 2) / 4), "tau_gated": pytest.approx((4 + 2 + 1 + 2) / 4)}
+    # A cost that pays for one token only: the first choice at position 1.
+    one = predicted_tau(outcomes, calibration, VerifyCost((1.0, 1.05) + (5.0,) * 5), 0.0, branches=2)
+    assert one["tau_gated"] == pytest.approx((2 + 1 + 1 + 2) / 4)
 
 
 def test_training_tau_is_the_cumulative_product_of_correctness():
@@ -196,7 +325,7 @@ def test_gated_proposer_pads_a_short_lookup_to_the_cheapest_width():
     lookup = PromptLookupProposer(PromptLookup(3), LookupConfidence())
     gated = GatedProposer([lookup], cost)
     proposal = gated.propose([9, 7, 7], 3)  # the earlier "7" was followed by one 7 only: padded with 7 to width 4
-    assert proposal == Proposal([7, 7, 7], accept=[0.5, 0.0, 0.0], source="lookup", match=1, own=1, consulted=("lookup",))
+    assert proposal == Proposal([7, 7, 7], accept=[0.5, 0.0, 0.0], source="lookup", own=1, consulted=("lookup",), origins=[frozenset({"lookup"})])
 
 
 def test_a_gated_drafter_needs_a_calibration(qwen3_target, qwen3_drafter):
