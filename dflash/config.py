@@ -213,7 +213,8 @@ class EvalConfig:
     branches: int = bounded(1, ge=1)  # with the gate: its top-`branches` tokens per position, the others as alternatives to the first
     verify_cost: list[float] | None = None  # c(k)/c(1) for k = 1..widest verify; default: measured at the start
     # The target's dtype in decoding, whatever it trained in: in fp32 a verify of k tokens computes what k single steps
-    # would, so `lossless` tests the decoding loop; in bf16 the two round differently and outputs may part at near-ties.
+    # would up to attention's rounding (~1e-5 in the logits), so `lossless` tests the decoding loop; in bf16 the two
+    # round far apart and outputs part at near-ties.
     target_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     linear_kernel: Literal["auto", "packed", "default"] = "auto"  # the target's linears: oneDNN packed where exact (auto)
     draft_kernel: Literal["auto", "int8", "packed", "default"] = "auto"  # the drafter's linears and head: the fastest here (auto), exact or not

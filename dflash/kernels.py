@@ -6,8 +6,11 @@ has, grows with the row count far faster than the work does (on some CPUs a
 with the row count. oneDNN's linear over a weight packed once (the kernel
 inductor emits when it freezes a CPU model) costs about the same for 1 to 4
 rows, and, packed for a batch of 2 or more, gives every row bitwise the same
-result whatever the row count: a verify of k tokens then computes exactly what
-k single steps would, which is what keeps speculative decoding lossless.
+result whatever the row count, so a verify's linears compute what k single
+steps' would. Attention's products still round with the row count (a few 1e-6
+per layer in fp32 here), so a verify's logits match single steps' to about
+1e-5, not bitwise: outputs could part only where the top two logits tie that
+closely, which ``lossless`` checks on every prompt.
 
 ``pack_linears`` swaps the modules only where that invariance is checked to
 hold on the machine at hand; elsewhere (CUDA, no oneDNN, a build that rounds
