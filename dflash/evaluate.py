@@ -293,7 +293,7 @@ def run_evaluation(
 ) -> pd.DataFrame:
     """The ``evaluate`` stage: ``verify_cost.json``, ``calibration.json``, ``<set>.csv`` per set and ``summary.csv``."""
     block_size = cfg.block_size or drafter.block_size
-    # Prompt lookup verifies at most as many tokens as the drafter does: both pay the same verify cost per step.
+    # By default prompt lookup verifies at most as many tokens as the drafter drafts.
     lookup = PromptLookup(num_tokens=cfg.prompt_lookup_tokens or block_size - 1, max_ngram=cfg.prompt_lookup_ngram)
     out_dir.mkdir(parents=True, exist_ok=True)
     packed = pack_linears(target.model, cfg.linear_kernel)
