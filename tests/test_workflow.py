@@ -317,9 +317,10 @@ def test_evaluation_summary_is_lossless_on_every_set(e2e):
     # So does the hybrid; the teacher-forced τ on validation is a τ of the block size.
     assert summary["hybrid_lossless"].tolist() == [True, True, True] and (summary["hybrid_tau"] >= 1.0).all()
     assert summary["val_tau"].between(1.0, 4.0).all() and summary["val_tau_gated"].between(1.0, 4.0).all()
-    assert summary["verified"].between(0.0, 3.0).all()
+    # config/test.yaml's trees: the drafter's 2 likeliest tokens at each of 3 positions, verifies of up to 7 tokens.
+    assert summary["verified"].between(0.0, 6.0).all()
     cost = json.loads((results / "eval" / "verify_cost.json").read_text())
-    assert len(cost["relative"]) == 4 and cost["relative"][0] == 1.0 and cost["draft"] > 0
+    assert len(cost["relative"]) == 7 and cost["relative"][0] == 1.0 and cost["draft"] > 0
     assert (results / "eval" / "calibration.json").is_file()
     assert (summary["device"] == "cpu").all() and (summary["target_dtype"] == "float32").all()
     for name in EVAL_SETS:
