@@ -204,9 +204,13 @@ class DFlashProposer:
         else:
             self.context = torch.cat([self.context, features], dim=1)
 
+    def _positions(self, count: int) -> int:
+        """How many positions a proposal of up to ``count`` tokens drafts."""
+        return count if self.depth is None else min(count, self.depth)
+
     def propose(self, tokens: list[int], count: int) -> Proposal:
         start = len(tokens) - 1
-        count = count if self.depth is None else min(count, self.depth)
+        count = self._positions(count)
         device = self.target.device
         block = torch.tensor([[tokens[-1]] + [self.drafter.mask_token_id] * count], device=device)
         hidden = self.drafter(
@@ -240,7 +244,7 @@ class DFlashProposer:
     def ceiling(self, count: int) -> list[float] | None:
         if self.calibration is None:
             return None
-        count = count if self.depth is None else min(count, self.depth)
+        count = self._positions(count)
         chain = path_values(self.calibration.ceiling(count))
         values = list(chain)
         for runner_up in self.calibration.runner_up[: self.branches - 1]:
@@ -360,9 +364,10 @@ class GatedProposer:
         n, gain = self.cost.best_count(values[:count], spent)
         return min(n, count), gain
 
-    def choose(self, proposal: Proposal, count: int, spent: float) -> Proposal:
+    def choose(self, proposal: Proposal, count: int, spent: float, last: int) -> Proposal:
         """What the verify takes of ``proposal``: its most likely accepted tokens, as many as pay most for their cost
-        (``spent``: the step's drafting), at most ``count``, padded to their width; none where a plain step pays more."""
+        (``spent``: the step's drafting), at most ``count``, padded to their width (with ``last``, the last committed
+        token, where the proposal has none); none where a plain step pays more."""
         ranked = self._ranked(proposal)
         values = proposal.values()
         n, gain = self._gain([values[i] for i in ranked], count, spent)
@@ -371,17 +376,18 @@ class GatedProposer:
         chosen = ranked[:n]
         index = {old: new for new, old in enumerate(chosen)}
         parents = [index.get(proposal.parent_indices()[i], -1) for i in chosen]
-        # Slots past the proposal's end (a short lookup match) are filled with its last token, each following the one
-        # before: free, since the padded width costs no more, and lossless, since any token may be verified.
+        # Slots past the proposal's end (a short lookup match, or none where a wider verify costs less than a plain
+        # step) are filled with its last token, each following the one before: free, since the padded width costs no
+        # more, and lossless, since any token may be verified.
         fill = n - len(chosen)
         parents += range(len(chosen) - 1, n - 1)
         origins = None if proposal.origins is None else [proposal.origins[i] for i in chosen]
         names = [c.name for c in self.candidates if origins is not None and any(c.name in o for o in origins)]
         return Proposal(
-            [proposal.tokens[i] for i in chosen] + [proposal.tokens[chosen[-1]]] * fill,
+            [proposal.tokens[i] for i in chosen] + [proposal.tokens[chosen[-1]] if chosen else last] * fill,
             accept=[proposal.accept[i] for i in chosen] + [0.0] * fill,
             parents=None if parents == list(range(-1, n - 1)) else parents,
-            source="+".join(names) if names else proposal.source,
+            source="+".join(names) if origins is not None else proposal.source,  # merged: whose tokens it verifies
             match=proposal.match,
             own=len(chosen),
             origins=origins,
@@ -389,7 +395,7 @@ class GatedProposer:
 
     def propose(self, tokens: list[int], count: int) -> Proposal:
         self._proposals, spent = {}, 0.0
-        pool: list[float] = []  # the merged proposals' values, highest first
+        merged, pool = None, []  # the proposals so far as one tree, and its values, highest first
         for candidate in self.candidates:
             ceiling = candidate.ceiling(count)
             if ceiling is not None:
@@ -402,11 +408,12 @@ class GatedProposer:
                 raise ValueError(f"a gated proposer needs confidences, and {candidate.name!r} gives none (a drafter needs a calibration)")
             self._proposals[candidate.name] = proposal
             spent += candidate.draft_cost
-            pool = sorted(merge(list(self._proposals.values())).values(), reverse=True)
+            merged = merge(list(self._proposals.values()))
+            pool = sorted(merged.values(), reverse=True)
         consulted = tuple(self._proposals)
-        if not self._proposals:
+        if merged is None:
             return Proposal([], accept=[], source="", consulted=consulted)
-        return dataclasses.replace(self.choose(merge(list(self._proposals.values())), count, spent), consulted=consulted)
+        return dataclasses.replace(self.choose(merged, count, spent, tokens[-1]), consulted=consulted)
 
     def ceiling(self, count: int) -> list[float] | None:
         return None

@@ -26,7 +26,16 @@ from tqdm.auto import tqdm
 
 from dflash.config import HELDOUT, HUMANEVAL, EvalConfig, TrainConfig
 from dflash.data import Conversation, load_conversations, read_heldout
-from dflash.decode import DFlashProposer, GatedProposer, PromptLookup, PromptLookupProposer, draft_head, speculative_generate
+from dflash.decode import (
+    DFlashProposer,
+    GatedProposer,
+    PromptLookup,
+    PromptLookupProposer,
+    accepted_path,
+    draft_head,
+    speculative_generate,
+    token_depths,
+)
 from dflash.errors import InputError
 from dflash.kernels import draft_linears, pack_linears
 from dflash.model import DFlashDrafter
@@ -244,14 +253,14 @@ def predicted_tau(outcomes, calibration: Calibration, cost: VerifyCost, draft_co
     lengths = []
     for p, right, labelled in zip(probs.tolist(), ranked_correct.tolist(), counted.tolist()):
         positions = len(labelled)
-        # Token ids stand for (rank, position): the tree DFlashProposer builds, gated as decoding gates it.
+        # Token ids stand for (rank, position): the tree DFlashProposer builds, gated and accepted as decoding does it,
+        # the target's token at each position being the id of the rank that was right there (-1: none, or unlabelled).
         tree = DFlashProposer.tree([[r * positions + k for k in range(positions)] for r in range(branches)], list(map(list, zip(*p))), calibration)
-        chosen = set(gate.choose(tree, positions * branches, draft_cost).tokens)
-        run = 0
-        while run < positions and run in chosen and right[run][0] and labelled[run]:
-            run += 1
-        alternative = run < positions and labelled[run] and any(r * positions + run in chosen and right[run][r] for r in range(1, branches))
-        lengths.append(1 + run + alternative)
+        chosen = gate.choose(tree, positions * branches, draft_cost, last=positions * branches)  # an id of no token
+        target_token = [next((r * positions + k for r in range(branches) if right[k][r] and labelled[k]), -1) for k in range(positions)] + [-1]
+        depths = token_depths(chosen.parent_indices())
+        verified = [target_token[0]] + [target_token[d] for d in depths]
+        lengths.append(1 + len(accepted_path(chosen.tokens, chosen.parent_indices(), verified)))
     return {"tau": float(acceptance_lengths(correct, counted).float().mean()), "tau_gated": sum(lengths) / len(lengths)}
 
 

@@ -58,14 +58,17 @@ def test_gate_takes_a_trees_most_likely_tokens_each_after_its_parent():
     tree = Proposal([10, 11, 12, 13, 14], accept=[0.6, 0.5, 0.5, 0.3, 0.2], parents=[-1, 0, 1, -1, 0], source="dflash")
     assert tree.values() == pytest.approx([0.6, 0.3, 0.15, 0.3, 0.12])
     # E / cost: 1 token 1.6/1.1, 2 tokens (a, d: the shallower of equals first) 1.9/1.2, 3 (b too) 2.2/1.3, 4 2.35/2.0.
-    chosen = GatedProposer([], cost).choose(tree, 4, 0.0)
+    chosen = GatedProposer([], cost).choose(tree, 4, 0.0, last=9)
     assert chosen == Proposal([10, 13, 11], accept=[0.6, 0.3, 0.5], parents=[-1, -1, 0], source="dflash", own=3)
     # A cheaper 5-wide verify makes 4 tokens pay (2.35 / 1.35), the last one c, after b.
     cheaper = GatedProposer([], VerifyCost((1.0, 1.1, 1.2, 1.3, 1.35)))
-    assert cheaper.choose(tree, 4, 0.0) == Proposal([10, 13, 11, 12], accept=[0.6, 0.3, 0.5, 0.5], parents=[-1, -1, 0, 2], source="dflash", own=4)
-    assert cheaper.choose(tree, 2, 0.0).tokens == [10, 13]  # at most the count asked for
+    assert cheaper.choose(tree, 4, 0.0, last=9) == Proposal([10, 13, 11, 12], accept=[0.6, 0.3, 0.5, 0.5], parents=[-1, -1, 0, 2], source="dflash", own=4)
+    assert cheaper.choose(tree, 2, 0.0, last=9).tokens == [10, 13]  # at most the count asked for
     # A token the drafter cannot be right about is not verified, whatever was paid to draft it.
-    assert GatedProposer([], cost).choose(Proposal([10], accept=[0.0], source="dflash"), 4, 3.0).tokens == []
+    assert GatedProposer([], cost).choose(Proposal([10], accept=[0.0], source="dflash"), 4, 3.0, last=9).tokens == []
+    # A table whose 2-wide verify costs less than a plain step pads even an empty proposal, with the last token.
+    padded = GatedProposer([], VerifyCost((1.0, 0.9))).choose(Proposal([], accept=[], source="lookup"), 1, 0.0, last=9)
+    assert padded.tokens == [9] and padded.own == 0
 
 
 def test_merged_proposals_share_a_path_and_keep_its_highest_probability():
