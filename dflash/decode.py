@@ -37,6 +37,7 @@ class DecodeStats:
     num_output_tokens: int
     acceptance_lengths: list[int] = field(default_factory=list)  # per verify step: accepted draft tokens + 1
     verified: list[int] = field(default_factory=list)  # per verify step: draft tokens verified (0: a plain step)
+    verify_seconds: list[float] = field(default_factory=list)  # per verify step: the target's forward, as decoding paid it
     choices: Counter = field(default_factory=Counter)  # per verify step: whose tokens were verified ("a+b": both; "" for none)
     consulted: Counter = field(default_factory=Counter)  # a gated proposer's: how many steps each candidate drafted on
     # Per draft position verified after an accepted prefix: (position 1.., predicted acceptance, accepted).
@@ -519,6 +520,7 @@ def speculative_generate(
         chain = parents == list(range(-1, len(draft) - 1))
         depths = [0] + token_depths(parents)
         block_ids = torch.tensor([[tokens[-1]] + draft], device=device)
+        verifying = time.perf_counter()
         out = target.forward(
             block_ids,
             target_cache,
@@ -527,7 +529,8 @@ def speculative_generate(
             output_hidden_states=hidden_states,
         )
         stats.target_forwards += 1
-        verified = out.logits[0].argmax(-1).tolist()
+        verified = out.logits[0].argmax(-1).tolist()  # on the host: the forward has finished
+        stats.verify_seconds.append(time.perf_counter() - verifying)
         path = accepted_path(draft, parents, verified)
         accepted = len(path)
         committed = [draft[i] for i in path] + [verified[path[-1] + 1 if path else 0]]

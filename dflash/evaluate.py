@@ -15,6 +15,9 @@ import dataclasses
 import gzip
 import json
 import logging
+import statistics
+import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
@@ -29,6 +32,7 @@ from dflash.data import Conversation, load_conversations, read_heldout
 from dflash.decode import (
     DFlashProposer,
     GatedProposer,
+    Generation,
     PromptLookup,
     PromptLookupProposer,
     accepted_path,
@@ -134,6 +138,20 @@ class Arms:
     gate: bool = True  # False: the drafter arm verifies its whole block every step
     branches: int = 1  # with the gate: the drafter's most probable tokens per position the verify may try
     confidence: LookupConfidence = field(default_factory=LookupConfidence)
+    paid: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))  # per verify width: its forwards' seconds, every arm
+
+    def record(self, *generations: Generation) -> None:
+        for generation in generations:
+            for drafted, seconds in zip(generation.stats.verified, generation.stats.verify_seconds):
+                self.paid[drafted + 1].append(seconds)
+
+    def decoded_cost(self) -> dict[int, dict]:
+        """Per verify width: the median forward as decoding paid it, relative to a plain step's (the table to check the
+        measured one against), and how many verifies it is of."""
+        if not self.paid.get(1):
+            return {}
+        step = statistics.median(self.paid[1])
+        return {k: {"relative": statistics.median(v) / step, "ms": statistics.median(v) * 1e3, "verifies": len(v)} for k, v in sorted(self.paid.items())}
 
     @property
     def width(self) -> int:
@@ -161,6 +179,7 @@ def evaluate_set(name: str, conversations: list[Conversation], arms: Arms, max_n
         drafted = speculative_generate(target, arms.dflash(), ids, max_new_tokens, block_size=width)
         looked_up = speculative_generate(target, arms.lookup, ids, max_new_tokens)
         hybrid = speculative_generate(target, arms.hybrid(), ids, max_new_tokens, block_size=max(width, arms.lookup.block_size))
+        arms.record(baseline, drafted, looked_up, hybrid)
         stats = drafted.stats
         rows.append(
             PromptResult(
@@ -270,9 +289,6 @@ def measure_draft_ms(target: Target, drafter: DFlashDrafter, head, block_size: i
     target verify of ``block_size`` tokens (which evicts the drafter's weights from the CPU's caches; with
     ``after_verify=False`` proposals follow each other, as timed alone), one new position into its cache, then a
     block of ``block_size``."""
-    import statistics
-    import time
-
     from transformers import DynamicCache
 
     ids = torch.randint(0, target.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(target.device)
@@ -323,9 +339,12 @@ def run_evaluation(
     calibration, outcomes = calibrate(target, drafter, validation, block_size, head, cfg.branches)
     calibration.save(out_dir / "calibration.json")
     predicted = predicted_tau(outcomes, calibration, cost, draft_cost, cfg.branches)
-    (out_dir / "verify_cost.json").write_text(
-        json.dumps(cost.to_dict() | {"draft": draft_cost, "linear_kernel": "packed" if packed else "default", "draft_kernel": drafting}, indent=2) + "\n"
-    )
+
+    def write_cost(decoded: dict) -> None:
+        kernels = {"linear_kernel": "packed" if packed else "default", "draft_kernel": drafting}
+        (out_dir / "verify_cost.json").write_text(json.dumps(cost.to_dict() | {"draft": draft_cost} | kernels | {"decoded": decoded}, indent=2) + "\n")
+
+    write_cost({})
     arms = Arms(
         target=target,
         drafter=drafter,
@@ -346,6 +365,9 @@ def run_evaluation(
         rows = pd.DataFrame(evaluate_set(eval_set.name, conversations, arms, cfg.max_new_tokens))
         rows.to_csv(out_dir / f"{eval_set.name}.csv", index=False)
         summary.append(summarize(eval_set.name, rows, block_size, target, predicted))
+    decoded = arms.decoded_cost()
+    log.info("verify cost as decoding paid it: %s", " ".join(f"{k}:{d['relative']:.2f}" for k, d in decoded.items()))
+    write_cost(decoded)
     frame = pd.DataFrame(summary, columns=SUMMARY_COLUMNS)
     frame.to_csv(out_dir / "summary.csv", index=False)
     return frame

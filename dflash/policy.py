@@ -94,9 +94,10 @@ def path_values(accept: Sequence[float]) -> list[float]:
 
 
 @torch.no_grad()
-def measure_verify_cost(target, max_width: int, context: int = 256, repeats: int = 7) -> VerifyCost:
+def measure_verify_cost(target, max_width: int, context: int = 256, repeats: int = 15) -> VerifyCost:
     """c(k)/c(1) for k = 1..``max_width``: the target's forward over k new tokens after ``context`` cached ones, as
-    decoding runs it (the median of ``repeats``, the widths interleaved so that load hits each alike)."""
+    decoding runs it. Each round times every width once, and c(k)/c(1) is the median over rounds of the round's own
+    ratio: load from other processes drifts over seconds, and a ratio within a round cancels it."""
     from transformers import DynamicCache
 
     device = target.device
@@ -104,22 +105,19 @@ def measure_verify_cost(target, max_width: int, context: int = 256, repeats: int
     cache = DynamicCache(config=target.config)
     target.forward(ids[:, :context], cache, logits_to_keep=1)
 
-    def verify(k: int) -> None:
+    def verify(k: int) -> float:
+        begin = time.perf_counter()
         target.forward(ids[:, context : context + k], cache, position_ids=torch.arange(context, context + k, device=device)[None])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         cache.crop(-k)
+        return (time.perf_counter() - begin) * 1e3
 
     for k in range(1, max_width + 1):  # warm every width once
         verify(k)
-    times: dict[int, list[float]] = defaultdict(list)
-    for _ in range(repeats):
-        for k in range(1, max_width + 1):
-            begin = time.perf_counter()
-            verify(k)
-            times[k].append((time.perf_counter() - begin) * 1e3)
-    medians = [statistics.median(times[k]) for k in range(1, max_width + 1)]
-    return VerifyCost(relative=tuple(m / medians[0] for m in medians), step_ms=medians[0])
+    rounds = [[verify(k) for k in range(1, max_width + 1)] for _ in range(repeats)]
+    relative = [statistics.median(r[k] / r[0] for r in rounds) for k in range(max_width)]
+    return VerifyCost(relative=tuple(relative), step_ms=statistics.median(r[0] for r in rounds))
 
 
 @dataclass

@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-PLOTS = ("training_curves.png", "acceptance_histogram.png", "position_acceptance.png", "speedup.png", "calibration.png")
+PLOTS = ("training_curves.png", "acceptance_histogram.png", "position_acceptance.png", "speedup.png", "calibration.png", "verify_cost.png")
 
 
 def _save(fig, path: Path) -> None:
@@ -126,12 +126,35 @@ def plot_calibration(table: pd.DataFrame, path: Path) -> None:
     _save(fig, path)
 
 
+def plot_verify_cost(cost: dict, path: Path) -> None:
+    """The target's verify of k tokens relative to a plain step: the table the gate decided with, measured at the
+    start of evaluation, against the widths decoding verified as it paid them (marker area: how many verifies)."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    measured = cost["relative"]
+    ax.plot(range(1, len(measured) + 1), measured, marker="o", color="tab:blue", label="measured at the start (the gate's table)")
+    decoded = cost.get("decoded", {})
+    if decoded:
+        most = max(d["verifies"] for d in decoded.values())
+        widths = [int(k) for k in decoded]
+        ax.scatter(
+            widths,
+            [d["relative"] for d in decoded.values()],
+            s=[10 + 200 * d["verifies"] / most for d in decoded.values()],
+            color="tab:orange",
+            label="as decoding paid it",
+        )
+    ax.set(xlabel="verify width k (tokens)", ylabel="c(k) / c(1)", title=f"verify cost (c(1) = {cost.get('step_ms') or float('nan'):.1f} ms)")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
 def _table(frame: pd.DataFrame) -> str:
     return frame.to_html(index=False, float_format=lambda x: f"{x:.3f}", border=0, classes="table")
 
 
 def build_report(metrics_csv: Path, train_summary_json: Path, card_json: Path, eval_summary_csv: Path, out_dir: Path) -> list[Path]:
-    """The stages' artifacts → plots and ``summary.html``; per-prompt rows are read from ``<set>.csv`` beside the eval summary."""
+    """The stages' artifacts → plots and ``summary.html``; per-prompt rows (``<set>.csv``) and the verify cost
+    (``verify_cost.json``) are read beside the eval summary."""
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics = pd.read_csv(metrics_csv)
     summary = pd.read_csv(eval_summary_csv)
@@ -143,6 +166,7 @@ def build_report(metrics_csv: Path, train_summary_json: Path, card_json: Path, e
     calibration = calibration_table(per_prompt)
     calibration.to_csv(out_dir / "calibration.csv", index=False)
     plot_calibration(calibration, out_dir / PLOTS[4])
+    plot_verify_cost(json.loads((eval_summary_csv.parent / "verify_cost.json").read_text()), out_dir / PLOTS[5])
     card = json.loads(card_json.read_text())
     train_summary = json.loads(train_summary_json.read_text())
     page = f"""<!doctype html>

@@ -28,6 +28,9 @@ def check_stats(gen, block_size: int, max_new_tokens: int) -> None:
     # One prefill plus one verify forward per step.
     assert stats.target_forwards == 1 + len(stats.acceptance_lengths)
     assert all(1 <= a <= block_size for a in stats.acceptance_lengths)
+    # Each verify timed, inside the decoding time.
+    assert len(stats.verify_seconds) == len(stats.verified) == len(stats.acceptance_lengths)
+    assert all(s > 0 for s in stats.verify_seconds) and sum(stats.verify_seconds) <= stats.decode_seconds
     # The prefill commits one token, every step commits its acceptance length (the last one possibly cut short).
     if stats.acceptance_lengths:
         assert sum(stats.acceptance_lengths[:-1]) < stats.num_output_tokens - 1 <= sum(stats.acceptance_lengths)

@@ -403,6 +403,22 @@ def test_pack_linears_leaves_the_model_alone_where_asked_or_unavailable():
         pack_linears(half, "packed")
 
 
+def test_the_evaluation_reports_each_verify_width_as_decoding_paid_it(qwen3_target):
+    """Every arm's verifies pooled by width: the median of each, relative to the median plain step's."""
+    from dflash.decode import DecodeStats, Generation
+    from dflash.evaluate import Arms
+
+    arms = Arms(qwen3_target, None, 4, PromptLookup(), VerifyCost((1.0,)), Calibration([], [], []), head=None)
+    plain = DecodeStats(1, 5, 4, verified=[0, 0, 0], verify_seconds=[0.10, 0.30, 0.20])
+    speculative = DecodeStats(4, 5, 6, verified=[3, 0, 3, 2], verify_seconds=[0.30, 0.40, 0.50, 0.25])
+    assert arms.decoded_cost() == {}  # nothing decoded yet: no plain step to relate to
+    arms.record(Generation(torch.zeros(4), plain), Generation(torch.zeros(6), speculative))
+    decoded = arms.decoded_cost()
+    assert list(decoded) == [1, 3, 4] and [d["verifies"] for d in decoded.values()] == [4, 1, 2]
+    assert decoded[1]["ms"] == pytest.approx(250.0) and decoded[1]["relative"] == 1.0  # median of .1 .3 .2 .4
+    assert decoded[3]["relative"] == pytest.approx(1.0) and decoded[4]["relative"] == pytest.approx(1.6)  # .25; .40
+
+
 def test_the_evaluation_measures_costs_and_calibrates_on_validation_samples(qwen3_target):
     """The evaluation's own measurements on a tiny target: c(1) = 1 by definition, a positive drafting cost, and a
     calibration fitted on validation samples (the oracle-free drafter: some positions counted, rates in [0, 1])."""

@@ -321,6 +321,8 @@ def test_evaluation_summary_is_lossless_on_every_set(e2e):
     assert summary["verified"].between(0.0, 6.0).all()
     cost = json.loads((results / "eval" / "verify_cost.json").read_text())
     assert len(cost["relative"]) == 7 and cost["relative"][0] == 1.0 and cost["draft"] > 0
+    # ... and the widths decoding verified, as it paid them: plain steps (every arm's first) among them.
+    assert cost["decoded"]["1"]["relative"] == 1.0 and {int(k) for k in cost["decoded"]} <= set(range(1, 8))
     assert (results / "eval" / "calibration.json").is_file()
     assert (summary["device"] == "cpu").all() and (summary["target_dtype"] == "float32").all()
     for name in EVAL_SETS:
@@ -385,7 +387,8 @@ def test_preflight_verdicts_are_ok(e2e):
 def test_report_renders_self_contained(e2e):
     assert "Report created" in e2e["report"].output
     page = (e2e["workdir"] / "results" / "report.html").read_text()
-    for item in ("training_curves.png", "acceptance_histogram.png", "position_acceptance.png", "speedup.png", "summary.html", "metrics.csv", "summary.csv"):
+    plots = ("training_curves.png", "acceptance_histogram.png", "position_acceptance.png", "speedup.png", "calibration.png", "verify_cost.png")
+    for item in (*plots, "summary.html", "metrics.csv", "summary.csv"):
         assert item in page, item
     # Self-contained: no script or stylesheet fetched from elsewhere.
     assert not re.search(r"<script[^>]*\ssrc=", page)

@@ -9,6 +9,7 @@ rule report:
         card=rules.prepare_data.output.card,
         eval_summary=rules.evaluate.output.summary,
         per_set=rules.evaluate.output.per_set,
+        verify_cost=rules.evaluate.output.verify_cost,
     output:
         curves=report(f"{RESULTS}/report/training_curves.png", caption="../report/training_curves.rst", category="Training"),
         histogram=report(
@@ -19,6 +20,7 @@ rule report:
         ),
         speedup=report(f"{RESULTS}/report/speedup.png", caption="../report/speedup.rst", category="Evaluation"),
         calibration=report(f"{RESULTS}/report/calibration.png", caption="../report/calibration.rst", category="Evaluation"),
+        verify_cost=report(f"{RESULTS}/report/verify_cost.png", caption="../report/verify_cost.rst", category="Evaluation"),
         html=report(f"{RESULTS}/report/summary.html", caption="../report/summary.rst", category="Summary"),
     params:
         out_dir=lambda wc, output: Path(output.html).parent,
