@@ -150,8 +150,8 @@ class Arms:
         measured one against), and how many verifies it is of."""
         if not self.paid.get(1):
             return {}
-        step = statistics.median(self.paid[1])
-        return {k: {"relative": statistics.median(v) / step, "ms": statistics.median(v) * 1e3, "verifies": len(v)} for k, v in sorted(self.paid.items())}
+        medians = {k: statistics.median(v) for k, v in sorted(self.paid.items())}
+        return {k: {"relative": m / medians[1], "ms": m * 1e3, "verifies": len(self.paid[k])} for k, m in medians.items()}
 
     @property
     def width(self) -> int:
@@ -339,12 +339,6 @@ def run_evaluation(
     calibration, outcomes = calibrate(target, drafter, validation, block_size, head, cfg.branches)
     calibration.save(out_dir / "calibration.json")
     predicted = predicted_tau(outcomes, calibration, cost, draft_cost, cfg.branches)
-
-    def write_cost(decoded: dict) -> None:
-        kernels = {"linear_kernel": "packed" if packed else "default", "draft_kernel": drafting}
-        (out_dir / "verify_cost.json").write_text(json.dumps(cost.to_dict() | {"draft": draft_cost} | kernels | {"decoded": decoded}, indent=2) + "\n")
-
-    write_cost({})
     arms = Arms(
         target=target,
         drafter=drafter,
@@ -367,7 +361,8 @@ def run_evaluation(
         summary.append(summarize(eval_set.name, rows, block_size, target, predicted))
     decoded = arms.decoded_cost()
     log.info("verify cost as decoding paid it: %s", " ".join(f"{k}:{d['relative']:.2f}" for k, d in decoded.items()))
-    write_cost(decoded)
+    kernels = {"linear_kernel": "packed" if packed else "default", "draft_kernel": drafting}
+    (out_dir / "verify_cost.json").write_text(json.dumps(cost.to_dict() | {"draft": draft_cost} | kernels | {"decoded": decoded}, indent=2) + "\n")
     frame = pd.DataFrame(summary, columns=SUMMARY_COLUMNS)
     frame.to_csv(out_dir / "summary.csv", index=False)
     return frame
