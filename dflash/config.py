@@ -212,6 +212,8 @@ class EvalConfig:
     gate: bool = True  # the drafter verifies the length its calibrated confidence pays for; false: its whole block
     branches: int = bounded(1, ge=1)  # with the gate: its top-`branches` tokens per position, the others as alternatives to the first
     verify_cost: list[float] | None = None  # c(k)/c(1) for k = 1..widest verify; default: measured at the start
+    # Decoding's own timings take over from that table: it counts as this many verifies of each width (null: never updated).
+    verify_cost_weight: int | None = bounded(16, ge=0)
     # The target's dtype in decoding, whatever it trained in: in fp32 a verify of k tokens computes what k single steps
     # would up to attention's rounding (~1e-5 in the logits), so `lossless` tests the decoding loop; in bf16 the two
     # round far apart and outputs part at near-ties.

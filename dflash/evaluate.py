@@ -17,7 +17,6 @@ import json
 import logging
 import statistics
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
@@ -43,7 +42,7 @@ from dflash.decode import (
 from dflash.errors import InputError
 from dflash.kernels import draft_linears, pack_linears
 from dflash.model import DFlashDrafter
-from dflash.policy import Calibration, LookupConfidence, VerifyCost, acceptance_lengths, measure_verify_cost
+from dflash.policy import Calibration, LookupConfidence, PaidCost, VerifyCost, acceptance_lengths, measure_verify_cost
 from dflash.target import Target
 
 SUMMARY_COLUMNS = [
@@ -125,33 +124,19 @@ class PromptResult:
 @dataclass
 class Arms:
     """What each speculative arm decodes with: a fresh proposer per prompt (the drafter's cache is per request),
-    sharing what is learnt across prompts (prompt lookup's acceptance by match length)."""
+    sharing what is learnt across prompts (prompt lookup's acceptance by match length, the verify cost as paid)."""
 
     target: Target
     drafter: DFlashDrafter
     block_size: int
     lookup: PromptLookup
-    cost: VerifyCost
+    cost: PaidCost  # every arm's verifies teach it; the gated arms decide with its table as it stands
     calibration: Calibration
     head: Callable[[torch.Tensor], torch.Tensor]  # the drafter's logits (``draft_head``), built once
     draft_cost: float = 0.0  # the drafter's proposal, in target steps
     gate: bool = True  # False: the drafter arm verifies its whole block every step
     branches: int = 1  # with the gate: the drafter's most probable tokens per position the verify may try
     confidence: LookupConfidence = field(default_factory=LookupConfidence)
-    paid: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))  # per verify width: its forwards' seconds, every arm
-
-    def record(self, *generations: Generation) -> None:
-        for generation in generations:
-            for drafted, seconds in zip(generation.stats.verified, generation.stats.verify_seconds):
-                self.paid[drafted + 1].append(seconds)
-
-    def decoded_cost(self) -> dict[int, dict]:
-        """Per verify width: the median forward as decoding paid it, relative to a plain step's (the table to check the
-        measured one against), and how many verifies it is of."""
-        if not self.paid.get(1):
-            return {}
-        medians = {k: statistics.median(v) for k, v in sorted(self.paid.items())}
-        return {k: {"relative": m / medians[1], "ms": m * 1e3, "verifies": len(self.paid[k])} for k, m in medians.items()}
 
     @property
     def width(self) -> int:
@@ -162,24 +147,40 @@ class Arms:
         return DFlashProposer(self.target, self.drafter, self.calibration, self.draft_cost, self.head, self.branches, depth=self.block_size - 1)
 
     def dflash(self):
-        return GatedProposer([self._drafter()], self.cost) if self.gate else self.drafter
+        return GatedProposer([self._drafter()], self.cost.table()) if self.gate else self.drafter
 
     def hybrid(self) -> GatedProposer:
-        return GatedProposer([self._drafter(), PromptLookupProposer(self.lookup, self.confidence)], self.cost)
+        return GatedProposer([self._drafter(), PromptLookupProposer(self.lookup, self.confidence)], self.cost.table())
+
+    def decode(self, ids: torch.Tensor, max_new_tokens: int) -> dict[str, Generation]:
+        """One prompt decoded by every arm in turn, each built after the last has taught the cost what it paid:
+        the autoregressive baseline (whose median step the others' verifies are timed against), the drafter, prompt
+        lookup, the hybrid."""
+        generations: dict[str, Generation] = {}
+        step = None
+        for name, arm, width in (
+            ("baseline", lambda: None, 1),
+            ("dflash", self.dflash, self.width),
+            ("lookup", lambda: self.lookup, self.lookup.block_size),
+            ("hybrid", self.hybrid, max(self.width, self.lookup.block_size)),
+        ):
+            generation = generations[name] = speculative_generate(self.target, arm(), ids, max_new_tokens, block_size=width)
+            seconds = generation.stats.verify_seconds
+            if name == "baseline":
+                step = statistics.median(seconds) if seconds else None  # None: the prefill answered, in every arm
+            if step:
+                self.cost.record(generation.stats.verified, seconds, step)
+        return generations
 
 
 def evaluate_set(name: str, conversations: list[Conversation], arms: Arms, max_new_tokens: int) -> list[PromptResult]:
     """Each prompt decoded by every arm in turn: the autoregressive baseline, the drafter, prompt lookup, the hybrid."""
     rows = []
-    target, width = arms.target, arms.width
     for conversation in tqdm(conversations, desc=f"evaluating {name}", unit="prompt"):
-        ids = torch.tensor([target.chat_prompt_ids(conversation.as_messages())])
+        ids = torch.tensor([arms.target.chat_prompt_ids(conversation.as_messages())])
         # Interleaved per prompt, so that load from other processes hits every arm alike.
-        baseline = speculative_generate(target, None, ids, max_new_tokens, block_size=1)
-        drafted = speculative_generate(target, arms.dflash(), ids, max_new_tokens, block_size=width)
-        looked_up = speculative_generate(target, arms.lookup, ids, max_new_tokens)
-        hybrid = speculative_generate(target, arms.hybrid(), ids, max_new_tokens, block_size=max(width, arms.lookup.block_size))
-        arms.record(baseline, drafted, looked_up, hybrid)
+        decoded = arms.decode(ids, max_new_tokens)
+        baseline, drafted, looked_up, hybrid = (decoded[k] for k in ("baseline", "dflash", "lookup", "hybrid"))
         stats = drafted.stats
         rows.append(
             PromptResult(
@@ -344,7 +345,7 @@ def run_evaluation(
         drafter=drafter,
         block_size=block_size,
         lookup=lookup,
-        cost=cost,
+        cost=PaidCost(cost, cfg.verify_cost_weight),
         calibration=calibration,
         head=head,
         draft_cost=draft_cost,
@@ -359,10 +360,12 @@ def run_evaluation(
         rows = pd.DataFrame(evaluate_set(eval_set.name, conversations, arms, cfg.max_new_tokens))
         rows.to_csv(out_dir / f"{eval_set.name}.csv", index=False)
         summary.append(summarize(eval_set.name, rows, block_size, target, predicted))
-    decoded = arms.decoded_cost()
-    log.info("verify cost as decoding paid it: %s", " ".join(f"{k}:{d['relative']:.2f}" for k, d in decoded.items()))
+    paid, learnt = arms.cost.paid_table(), arms.cost.table()
+    log.info("verify cost as decoding paid it: %s", " ".join(f"{k}:{d['relative']:.2f}" for k, d in paid.items()))
+    log.info("verify cost the gate ended with: %s", " ".join(f"{c:.2f}" for c in learnt.relative))
     kernels = {"linear_kernel": "packed" if packed else "default", "draft_kernel": drafting}
-    (out_dir / "verify_cost.json").write_text(json.dumps(cost.to_dict() | {"draft": draft_cost} | kernels | {"decoded": decoded}, indent=2) + "\n")
+    tables = {"decoded": paid, "learnt": list(learnt.relative)}
+    (out_dir / "verify_cost.json").write_text(json.dumps(cost.to_dict() | {"draft": draft_cost} | kernels | tables, indent=2) + "\n")
     frame = pd.DataFrame(summary, columns=SUMMARY_COLUMNS)
     frame.to_csv(out_dir / "summary.csv", index=False)
     return frame

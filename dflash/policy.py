@@ -1,18 +1,18 @@
 """How many draft tokens a decoding step verifies: the target's verify cost, calibrated confidence, the gate.
 
 A verify of k tokens costs c(k) target steps (c(1) = 1), measured on the
-machine at hand. A proposal of n tokens whose conditional acceptance
-probabilities are q_1..q_n (q_j: token j is accepted given that 1..j-1 were)
-commits, in expectation,
+machine at hand, then learnt from what decoding pays (``PaidCost``). A
+proposal of n tokens whose conditional acceptance probabilities are q_1..q_n
+(q_j: token j is accepted given that 1..j-1 were) commits, in expectation,
 
     E(n) = 1 + sum_{m <= n} prod_{j <= m} q_j
 
 tokens, counting the target's own next token. The gate proposes the n in
-0..N that maximises E(n) / (C(n + 1) + d): C(k) is the cheapest measured
-width at or above k (a verify is padded to that width, its extra slots filled
-with more draft tokens, which can only add accepted tokens), d what drafting
-costs per step. With no confidence it proposes nothing; with full confidence,
-the whole block wherever the verify costs less than a step per token.
+0..N that maximises E(n) / (C(n + 1) + d): C(k) is the cheapest width at or
+above k (a verify is padded to that width, its extra slots filled with more
+draft tokens, which can only add accepted tokens), d what drafting costs per
+step. With no confidence it proposes nothing; with full confidence, the whole
+block wherever the verify costs less than a step per token.
 
 A token tree (alternatives to a token, each on a branch of its own) is gated
 the same way: E is 1 plus the sum, over the tokens verified, of each one's
@@ -86,6 +86,39 @@ class VerifyCost:
 
     def to_dict(self) -> dict:
         return {"relative": list(self.relative), "step_ms": self.step_ms}
+
+
+@dataclass
+class PaidCost:
+    """The verify cost as decoding pays it, learnt while decoding: each verify's forward is timed relative to a plain
+    step of the same prompt (the median step of its autoregressive baseline, decoded just before it), so load that
+    drifts between prompts cancels. The table the gate decides with (``table``) takes, per width, the median paid so
+    far, with the ``prior`` (measured at the start, or given) counting as ``prior_weight`` verifies of it: a width
+    decoding has not verified keeps its prior cost, one verified often its paid cost. ``prior_weight`` None: the prior,
+    never updated."""
+
+    prior: VerifyCost
+    prior_weight: int | None = None
+    paid: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))  # per width: each verify, in plain steps
+
+    def record(self, verified: Sequence[int], seconds: Sequence[float], step_seconds: float) -> None:
+        """One decoding's verifies: the draft tokens each verified and its forward's seconds; ``step_seconds``, the
+        same prompt's plain step."""
+        for drafted, elapsed in zip(verified, seconds, strict=True):
+            self.paid[drafted + 1].append(elapsed / step_seconds)
+
+    def table(self) -> VerifyCost:
+        if self.prior_weight is None:
+            return self.prior
+        relative = []
+        for k, prior in enumerate(self.prior.relative, 1):
+            paid = self.paid.get(k, [])
+            relative.append((len(paid) * statistics.median(paid) + self.prior_weight * prior) / (len(paid) + self.prior_weight) if paid else prior)
+        return VerifyCost(tuple(relative), self.prior.step_ms)
+
+    def paid_table(self) -> dict[int, dict]:
+        """Per width verified: the median paid, in plain steps, and how many verifies it is of."""
+        return {k: {"relative": statistics.median(v), "verifies": len(v)} for k, v in sorted(self.paid.items())}
 
 
 def path_values(accept: Sequence[float]) -> list[float]:

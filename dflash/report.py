@@ -12,6 +12,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from dflash.errors import InputError  # noqa: E402
+
 PLOTS = ("training_curves.png", "acceptance_histogram.png", "position_acceptance.png", "speedup.png", "calibration.png", "verify_cost.png")
 
 
@@ -127,11 +129,12 @@ def plot_calibration(table: pd.DataFrame, path: Path) -> None:
 
 
 def plot_verify_cost(cost: dict, path: Path) -> None:
-    """The target's verify of k tokens relative to a plain step: the table the gate decided with, measured at the
-    start of evaluation, against the widths decoding verified as it paid them (marker area: how many verifies)."""
+    """The target's verify of k tokens relative to a plain step: the table measured at the start of evaluation, the
+    widths decoding verified as it paid them (marker area: how many verifies), and the table the gate ended with,
+    learnt from the two."""
     fig, ax = plt.subplots(figsize=(6.5, 4))
     measured = cost["relative"]
-    ax.plot(range(1, len(measured) + 1), measured, marker="o", color="tab:blue", label="measured at the start (the gate's table)")
+    ax.plot(range(1, len(measured) + 1), measured, marker="o", color="tab:blue", label="measured at the start")
     decoded = cost.get("decoded", {})
     if decoded:
         most = max(d["verifies"] for d in decoded.values())
@@ -143,6 +146,8 @@ def plot_verify_cost(cost: dict, path: Path) -> None:
             color="tab:orange",
             label="as decoding paid it",
         )
+    if cost.get("learnt"):
+        ax.plot(range(1, len(cost["learnt"]) + 1), cost["learnt"], linestyle="--", color="tab:green", label="the gate's at the end (learnt)")
     ax.set(xlabel="verify width k (tokens)", ylabel="c(k) / c(1)", title=f"verify cost (c(1) = {cost.get('step_ms') or float('nan'):.1f} ms)")
     ax.legend(fontsize=8)
     _save(fig, path)
@@ -152,13 +157,22 @@ def _table(frame: pd.DataFrame) -> str:
     return frame.to_html(index=False, float_format=lambda x: f"{x:.3f}", border=0, classes="table")
 
 
+def _require(*paths: Path) -> None:
+    missing = [str(p) for p in paths if not Path(p).is_file()]
+    if missing:
+        raise InputError(f"the report reads {', '.join(missing)}, which do not exist: rerun the stages that write them (`snakemake --cores 1 report` does)")
+
+
 def build_report(metrics_csv: Path, train_summary_json: Path, card_json: Path, eval_summary_csv: Path, out_dir: Path) -> list[Path]:
     """The stages' artifacts → plots and ``summary.html``; per-prompt rows (``<set>.csv``) and the verify cost
     (``verify_cost.json``) are read beside the eval summary."""
+    _require(metrics_csv, train_summary_json, card_json, eval_summary_csv)
+    summary = pd.read_csv(eval_summary_csv)
+    evaluated = eval_summary_csv.parent
+    _require(*(evaluated / f"{name}.csv" for name in summary["set"]), evaluated / "verify_cost.json")
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics = pd.read_csv(metrics_csv)
-    summary = pd.read_csv(eval_summary_csv)
-    per_prompt = {name: pd.read_csv(eval_summary_csv.parent / f"{name}.csv") for name in summary["set"]}
+    per_prompt = {name: pd.read_csv(evaluated / f"{name}.csv") for name in summary["set"]}
     plot_training_curves(metrics, out_dir / PLOTS[0])
     plot_acceptance_histogram(per_prompt, out_dir / PLOTS[1])
     plot_position_acceptance(per_prompt, out_dir / PLOTS[2])
@@ -166,7 +180,7 @@ def build_report(metrics_csv: Path, train_summary_json: Path, card_json: Path, e
     calibration = calibration_table(per_prompt)
     calibration.to_csv(out_dir / "calibration.csv", index=False)
     plot_calibration(calibration, out_dir / PLOTS[4])
-    plot_verify_cost(json.loads((eval_summary_csv.parent / "verify_cost.json").read_text()), out_dir / PLOTS[5])
+    plot_verify_cost(json.loads((evaluated / "verify_cost.json").read_text()), out_dir / PLOTS[5])
     card = json.loads(card_json.read_text())
     train_summary = json.loads(train_summary_json.read_text())
     page = f"""<!doctype html>

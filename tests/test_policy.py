@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from dflash.decode import DFlashProposer, GatedProposer, PromptLookup, PromptLookupProposer, Proposal, draft_head, merge, speculative_generate
 from dflash.kernels import PackedLinear, draft_linears, int8_kernel_available, kernel_of, pack_linears, packed_kernel_available
-from dflash.policy import Calibration, LookupConfidence, VerifyCost, acceptance_lengths, path_values
+from dflash.policy import Calibration, LookupConfidence, PaidCost, VerifyCost, acceptance_lengths, path_values
 from dflash.step import BlockOutcomes
 
 # -- the gate ----------------------------------------------------------------------------------------------
@@ -403,20 +403,55 @@ def test_pack_linears_leaves_the_model_alone_where_asked_or_unavailable():
         pack_linears(half, "packed")
 
 
-def test_the_evaluation_reports_each_verify_width_as_decoding_paid_it(qwen3_target):
-    """Every arm's verifies pooled by width: the median of each, relative to the median plain step's."""
-    from dflash.decode import DecodeStats, Generation
+def test_the_verify_cost_is_learnt_from_what_decoding_pays_with_the_measured_table_as_a_prior():
+    """Each verify timed against the prompt's plain step; per width, the median paid blended with the prior, which
+    counts as ``prior_weight`` verifies; a width never verified keeps its prior."""
+    prior = VerifyCost((1.0, 1.5, 2.0), step_ms=100.0)
+    cost = PaidCost(prior, prior_weight=2)
+    assert cost.table() == prior and cost.paid_table() == {}
+    cost.record([0, 0, 0], [0.10, 0.12, 0.08], step_seconds=0.1)  # a baseline: its own step's median is 0.1
+    cost.record([1, 1, 0], [0.10, 0.10, 0.10], step_seconds=0.1)
+    assert cost.paid_table() == {1: {"relative": pytest.approx(1.0), "verifies": 4}, 2: {"relative": pytest.approx(1.0), "verifies": 2}}
+    # Width 1: (4 x 1.0 + 2 x 1.0) / 6; width 2: (2 x 1.0 + 2 x 1.5) / 4 = 1.25; width 3: never verified, 2.0.
+    assert cost.table().relative == pytest.approx((1.0, 1.25, 2.0)) and cost.table().step_ms == 100.0
+    # Timed against another prompt's slower step: the same seconds are fewer of its steps.
+    cost.record([2], [0.3], step_seconds=0.2)
+    assert cost.table().relative[2] == pytest.approx((1 * 1.5 + 2 * 2.0) / 3)
+    assert PaidCost(prior, prior_weight=None).table() == prior  # never updated
+    with pytest.raises(ValueError):
+        cost.record([0, 1], [0.1], step_seconds=0.1)  # a verify without its time
+
+
+def test_the_gate_decides_with_the_cost_decoding_paid():
+    """A table measured flatter than decoding pays has the gate verify three tokens of 0.3 confidence; once wide
+    verifies are seen to cost two steps, it verifies none."""
+    cost = PaidCost(VerifyCost((1.0, 1.0, 1.0, 1.0)), prior_weight=0)
+    assert cost.table().best_length([0.3, 0.3, 0.3])[0] == 3  # E = 1.417 tokens for one step
+    for drafted in (1, 2, 3):
+        cost.record([0, drafted], [0.1, 0.2], step_seconds=0.1)
+    assert cost.table().relative == pytest.approx((1.0, 2.0, 2.0, 2.0))
+    assert cost.table().best_length([0.3, 0.3, 0.3]) == (0, 1.0)  # 1.417 / 2 < 1
+
+
+def test_the_evaluation_teaches_the_cost_every_arms_verifies_and_stays_lossless():
+    """One prompt through every arm: each verify of each arm recorded against the baseline's median step (so the
+    baseline's own median is one step), and every arm's output the baseline's."""
     from dflash.evaluate import Arms
 
-    arms = Arms(qwen3_target, None, 4, PromptLookup(), VerifyCost((1.0,)), Calibration([], [], []), head=None)
-    plain = DecodeStats(1, 5, 4, verified=[0, 0, 0], verify_seconds=[0.10, 0.30, 0.20])
-    speculative = DecodeStats(4, 5, 6, verified=[3, 0, 3, 2], verify_seconds=[0.30, 0.40, 0.50, 0.25])
-    assert arms.decoded_cost() == {}  # nothing decoded yet: no plain step to relate to
-    arms.record(Generation(torch.zeros(4), plain), Generation(torch.zeros(6), speculative))
-    decoded = arms.decoded_cost()
-    assert list(decoded) == [1, 3, 4] and [d["verifies"] for d in decoded.values()] == [4, 1, 2]
-    assert decoded[1]["ms"] == pytest.approx(250.0) and decoded[1]["relative"] == 1.0  # median of .1 .3 .2 .4
-    assert decoded[3]["relative"] == pytest.approx(1.0) and decoded[4]["relative"] == pytest.approx(1.6)  # .25; .40
+    target = build_target(qwen3_config(eos_token_id=None), seed=1)  # decodes to the token limit
+    drafter = build_drafter(target.config, seed=3, init_std=0.2, block_size=4)
+    cost = PaidCost(VerifyCost((1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6)), prior_weight=4)
+    calibration = _fixed(0.5)
+    calibration.runner_up = [_fixed(0.2)]
+    arms = Arms(target, drafter, 4, PromptLookup(3), cost, calibration, head=draft_head(target, drafter), branches=2)
+    ids = random_prompt(12, 7)
+    generations = arms.decode(ids, 16)
+    assert list(generations) == ["baseline", "dflash", "lookup", "hybrid"]
+    assert all(g.tokens.tolist() == generations["baseline"].tokens.tolist() for g in generations.values())
+    assert sum(d["verifies"] for d in cost.paid_table().values()) == sum(len(g.stats.verified) for g in generations.values())
+    # 15 plain steps (the prefill gives the first token) of which the middle one is the median: one step exactly.
+    plain = cost.paid[1][:15]
+    assert len(generations["baseline"].stats.verified) == 15 and sorted(plain)[7] == pytest.approx(1.0)
 
 
 def test_the_evaluation_measures_costs_and_calibrates_on_validation_samples(qwen3_target):

@@ -321,8 +321,13 @@ def test_evaluation_summary_is_lossless_on_every_set(e2e):
     assert summary["verified"].between(0.0, 6.0).all()
     cost = json.loads((results / "eval" / "verify_cost.json").read_text())
     assert len(cost["relative"]) == 7 and cost["relative"][0] == 1.0 and cost["draft"] > 0
-    # ... and the widths decoding verified, as it paid them: plain steps (every arm's first) among them.
-    assert cost["decoded"]["1"]["relative"] == 1.0 and {int(k) for k in cost["decoded"]} <= set(range(1, 8))
+    # ... the widths decoding verified, as it paid them (plain steps, every arm's first, among them), and the table
+    # the gate ended with: each width decoding verified between its measured and its paid cost.
+    decoded = {int(k): d for k, d in cost["decoded"].items()}
+    assert 1 in decoded and set(decoded) <= set(range(1, 8)) and len(cost["learnt"]) == 7
+    for k, d in decoded.items():
+        measured, paid = cost["relative"][k - 1], d["relative"]
+        assert min(measured, paid) - 1e-9 <= cost["learnt"][k - 1] <= max(measured, paid) + 1e-9
     assert (results / "eval" / "calibration.json").is_file()
     assert (summary["device"] == "cpu").all() and (summary["target_dtype"] == "float32").all()
     for name in EVAL_SETS:
