@@ -26,7 +26,7 @@ from transformers import DynamicCache
 
 from dflash.kernels import kernel_of, projection
 from dflash.model import DFlashDrafter, DraftCache
-from dflash.policy import Calibration, LookupConfidence, VerifyCost, path_values
+from dflash.policy import Calibration, LookupConfidence, Throughput, VerifyCost, path_values
 from dflash.target import Target, select_features
 
 
@@ -140,9 +140,10 @@ def accepted_path(draft: list[int], parents: list[int], verified: list[int]) -> 
 
 class Proposer(Protocol):
     """What ``speculative_generate`` drafts with. ``observe`` is told of every target forward (the prefill from
-    position 0, then each verify's accepted positions), whether or not ``propose`` is called after it; ``feedback``
-    of the proposal's tokens the target accepted (their indices, from the first); ``ceiling`` bounds, highest first, the ``values`` a proposal of
-    up to ``count`` tokens could carry, before drafting it (None: no bound known)."""
+    position 0, then each verify's accepted positions), whether or not ``propose`` is called after it; ``feedback``,
+    after every step it proposed for (an empty proposal too), of the proposal's tokens the target accepted (their
+    indices, from the first); ``ceiling`` bounds, highest first, the ``values`` a proposal of up to ``count`` tokens
+    could carry, before drafting it (None: no bound known)."""
 
     name: str
     needs_hidden_states: bool
@@ -332,8 +333,9 @@ def merge(proposals: list[Proposal]) -> Proposal:
 
 
 class GatedProposer:
-    """Per step, the verify takes the tokens with the most expected committed tokens per unit of cost
-    (``VerifyCost.best_count``, the cost including every draft made that step): of the candidates' proposals, merged
+    """Per step, the verify takes the tokens whose expected committed tokens most exceed what their cost earns at the
+    decoding's rate so far (``VerifyCost.best_count``, the cost including every draft made that step; the rate from
+    ``throughput``, which each verify updates, shared across requests where given): of the candidates' proposals, merged
     into one token tree, the tokens most likely accepted, padded to the cheapest width. One candidate is a
     confidence-gated drafter; a drafter and prompt lookup, the hybrid, whose verify may try lookup's continuation and
     the drafter's beside it. Candidates are asked cheapest first, and a costly one only when the best proposal its
@@ -341,14 +343,16 @@ class GatedProposer:
     proposal leaves it nothing to add. A candidate not asked still observes every target forward, so its state (the
     drafter's cache) catches up when it is next asked."""
 
-    def __init__(self, candidates: list[Proposer], cost: VerifyCost):
+    def __init__(self, candidates: list[Proposer], cost: VerifyCost, throughput: Throughput | None = None):
         self.candidates, self.cost = sorted(candidates, key=lambda c: c.draft_cost), cost
+        self.throughput = Throughput() if throughput is None else throughput
         self.candidates_by_name = {c.name: c for c in candidates}
         self.name = "+".join(c.name for c in candidates)
         self.needs_hidden_states = any(c.needs_hidden_states for c in candidates)
         self.draft_cost = sum(c.draft_cost for c in candidates)
         self.block_size = cost.max_width
         self._proposals: dict[str, Proposal] = {}  # this step's, by candidate
+        self._spent = 0.0  # this step's drafting
 
     def observe(self, hidden_states, count: int, start: int) -> None:
         for candidate in self.candidates:
@@ -360,19 +364,19 @@ class GatedProposer:
         values, depths = proposal.values(), token_depths(proposal.parent_indices())
         return sorted(range(len(values)), key=lambda i: (-values[i], depths[i]))
 
-    def _gain(self, values: list[float], count: int, spent: float) -> tuple[int, float]:
-        """The best count of the tokens of ``values`` (highest first) and its gain, against a plain step's."""
-        n, gain = self.cost.best_count(values[:count], spent)
-        return min(n, count), gain
+    def _gain(self, values: list[float], count: int, spent: float, rate: float) -> tuple[int, float]:
+        """The best count of the tokens of ``values`` (highest first) and its surplus at ``rate``."""
+        n, surplus = self.cost.best_count(values[:count], spent, rate)
+        return min(n, count), surplus
 
-    def choose(self, proposal: Proposal, count: int, spent: float, last: int) -> Proposal:
-        """What the verify takes of ``proposal``: its most likely accepted tokens, as many as pay most for their cost
-        (``spent``: the step's drafting), at most ``count``, padded to their width (with ``last``, the last committed
-        token, where the proposal has none); none where a plain step pays more."""
+    def choose(self, proposal: Proposal, count: int, spent: float, last: int, rate: float) -> Proposal:
+        """What the verify takes of ``proposal``: its most likely accepted tokens, as many as earn most beyond their
+        cost at ``rate`` (``spent``: the step's drafting), at most ``count``, padded to their width (with ``last``, the
+        last committed token, where the proposal has none); none where a plain step earns more."""
         ranked = self._ranked(proposal)
         values = proposal.values()
-        n, gain = self._gain([values[i] for i in ranked], count, spent)
-        if n == 0 or gain <= 1.0 / (self.cost.relative[0] + spent):
+        n, _ = self._gain([values[i] for i in ranked], count, spent, rate)
+        if n == 0:
             return Proposal([], accept=[], source="")
         chosen = ranked[:n]
         index = {old: new for new, old in enumerate(chosen)}
@@ -395,14 +399,14 @@ class GatedProposer:
         )
 
     def propose(self, tokens: list[int], count: int) -> Proposal:
-        self._proposals, spent = {}, 0.0
+        self._proposals, spent, rate = {}, 0.0, self.throughput.rate
         merged, pool = None, []  # the proposals so far as one tree, and its values, highest first
         for candidate in self.candidates:
             ceiling = candidate.ceiling(count)
             if ceiling is not None:
                 # At best the candidate adds tokens of the highest values it could give, none of them already proposed.
-                reach = self._gain(sorted(pool + ceiling, reverse=True), count, spent + candidate.draft_cost)[1]
-                if reach <= max(self._gain(pool, count, spent)[1], 1.0 / (self.cost.relative[0] + spent)):
+                reach = self._gain(sorted(pool + ceiling, reverse=True), count, spent + candidate.draft_cost, rate)[1]
+                if reach <= self._gain(pool, count, spent, rate)[1]:
                     continue
             proposal = candidate.propose(tokens, count)
             if proposal.accept is None:
@@ -411,16 +415,18 @@ class GatedProposer:
             spent += candidate.draft_cost
             merged = merge(list(self._proposals.values()))
             pool = sorted(merged.values(), reverse=True)
-        consulted = tuple(self._proposals)
+        consulted, self._spent = tuple(self._proposals), spent
         if merged is None:
             return Proposal([], accept=[], source="", consulted=consulted)
-        return dataclasses.replace(self.choose(merged, count, spent, tokens[-1]), consulted=consulted)
+        return dataclasses.replace(self.choose(merged, count, spent, tokens[-1], rate), consulted=consulted)
 
     def ceiling(self, count: int) -> list[float] | None:
         return None
 
     def feedback(self, proposal: Proposal, path: list[int]) -> None:
-        """Each candidate hears of its own tokens: those verified (a chain's are a prefix of it), and those accepted."""
+        """The step's tokens and cost go to the throughput; each candidate hears of its own tokens: those verified (a
+        chain's are a prefix of it), and those accepted."""
+        self.throughput.update(len(path) + 1, self.cost.relative[len(proposal.tokens)] + self._spent)
         for name, own in self._proposals.items():
             verified = [i for i in range(proposal.drafted) if name in proposal.origins[i]]
             if verified:
@@ -544,7 +550,7 @@ def speculative_generate(
         if proposal.accept is not None:  # every draft token whose parent was accepted: was it?
             reached = {-1, *path}
             stats.predictions += [(depths[i + 1], proposal.accept[i], i in path) for i in range(min(proposal.drafted, len(draft))) if parents[i] in reached]
-        if proposer is not None and draft:
+        if verify_size > 1:  # every step that proposed hears how it went, a plain one too
             proposer.feedback(proposal, path)
         # The caches keep the last committed token and the accepted branch; the other block positions were rejected.
         keep = [0] + [i + 1 for i in path]

@@ -17,6 +17,7 @@ import json
 import logging
 import statistics
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
@@ -42,7 +43,7 @@ from dflash.decode import (
 from dflash.errors import InputError
 from dflash.kernels import draft_linears, pack_linears
 from dflash.model import DFlashDrafter
-from dflash.policy import Calibration, LookupConfidence, PaidCost, VerifyCost, acceptance_lengths, measure_verify_cost
+from dflash.policy import Calibration, LookupConfidence, PaidCost, Throughput, VerifyCost, acceptance_lengths, measure_verify_cost
 from dflash.target import Target
 
 SUMMARY_COLUMNS = [
@@ -137,6 +138,7 @@ class Arms:
     gate: bool = True  # False: the drafter arm verifies its whole block every step
     branches: int = 1  # with the gate: the drafter's most probable tokens per position the verify may try
     confidence: LookupConfidence = field(default_factory=LookupConfidence)
+    throughput: dict[str, Throughput] = field(default_factory=lambda: defaultdict(Throughput))  # per gated arm: its rate so far
 
     @property
     def width(self) -> int:
@@ -147,10 +149,10 @@ class Arms:
         return DFlashProposer(self.target, self.drafter, self.calibration, self.draft_cost, self.head, self.branches, depth=self.block_size - 1)
 
     def dflash(self):
-        return GatedProposer([self._drafter()], self.cost.table()) if self.gate else self.drafter
+        return GatedProposer([self._drafter()], self.cost.table(), self.throughput["dflash"]) if self.gate else self.drafter
 
     def hybrid(self) -> GatedProposer:
-        return GatedProposer([self._drafter(), PromptLookupProposer(self.lookup, self.confidence)], self.cost.table())
+        return GatedProposer([self._drafter(), PromptLookupProposer(self.lookup, self.confidence)], self.cost.table(), self.throughput["hybrid"])
 
     def decode(self, ids: torch.Tensor, max_new_tokens: int) -> dict[str, Generation]:
         """One prompt decoded by every arm in turn, each built after the last has taught the cost what it paid:
@@ -263,25 +265,34 @@ def calibrate(target: Target, drafter: DFlashDrafter, validation: pd.DataFrame, 
 
 def predicted_tau(outcomes, calibration: Calibration, cost: VerifyCost, draft_cost: float, branches: int = 1) -> dict:
     """τ teacher-forced on the validation blocks: verifying every draft position, and what the gate would verify
-    of the drafter's tree of ``branches`` (a chain for 1): its gain, per block, from the tokens the gate chooses."""
+    of the drafter's tree of ``branches`` (a chain for 1): its gain, per block, from the tokens the gate chooses at
+    the rate it then gets (the fixed point of choosing at a rate and measuring the rate of those choices)."""
     blocks = outcomes.counted[:, 0]
     if not blocks.any():
         return {}
     correct, counted = outcomes.correct[blocks], outcomes.counted[blocks]
     probs, ranked_correct = (t[blocks, :, :branches] for t in outcomes.ranked())
-    gate = GatedProposer([], cost)
-    lengths = []
+    cases = []
     for p, right, labelled in zip(probs.tolist(), ranked_correct.tolist(), counted.tolist()):
         positions = len(labelled)
         # Token ids stand for (rank, position): the tree DFlashProposer builds, gated and accepted as decoding does it,
         # the target's token at each position being the id of the rank that was right there (-1: none, or unlabelled).
         tree = DFlashProposer.tree([[r * positions + k for k in range(positions)] for r in range(branches)], list(map(list, zip(*p))), calibration)
-        chosen = gate.choose(tree, positions * branches, draft_cost, last=positions * branches)  # an id of no token
         target_token = [next((r * positions + k for r in range(branches) if right[k][r] and labelled[k]), -1) for k in range(positions)] + [-1]
-        depths = token_depths(chosen.parent_indices())
-        verified = [target_token[0]] + [target_token[d] for d in depths]
-        lengths.append(1 + len(accepted_path(chosen.tokens, chosen.parent_indices(), verified)))
-    return {"tau": float(acceptance_lengths(correct, counted).float().mean()), "tau_gated": sum(lengths) / len(lengths)}
+        cases.append((tree, target_token))
+    gate, rate = GatedProposer([], cost), 1.0
+    for _ in range(10):  # each round's rate is at least the last's; a few reach the fixed point
+        lengths, spent = [], 0.0
+        for tree, target_token in cases:
+            count = len(tree.tokens)
+            chosen = gate.choose(tree, count, draft_cost, last=count, rate=rate)  # ``last``: an id of no token
+            verified = [target_token[0]] + [target_token[d] for d in token_depths(chosen.parent_indices())]
+            lengths.append(1 + len(accepted_path(chosen.tokens, chosen.parent_indices(), verified)))
+            spent += cost.relative[len(chosen.tokens)] + draft_cost
+        rate, previous = sum(lengths) / spent, rate
+        if abs(rate - previous) < 1e-4:
+            break
+    return {"tau": float(acceptance_lengths(correct, counted).float().mean()), "tau_gated": sum(lengths) / len(lengths), "rate_gated": rate}
 
 
 @torch.no_grad()

@@ -8,11 +8,18 @@ proposal of n tokens whose conditional acceptance probabilities are q_1..q_n
     E(n) = 1 + sum_{m <= n} prod_{j <= m} q_j
 
 tokens, counting the target's own next token. The gate proposes the n in
-0..N that maximises E(n) / (C(n + 1) + d): C(k) is the cheapest width at or
+0..N that maximises E(n) - R (C(n + 1) + d): C(k) is the cheapest width at or
 above k (a verify is padded to that width, its extra slots filled with more
 draft tokens, which can only add accepted tokens), d what drafting costs per
-step. With no confidence it proposes nothing; with full confidence, the whole
-block wherever the verify costs less than a step per token.
+step, and R the tokens per plain step the decoding has committed so far
+(``Throughput``). Maximising that surplus with R the policy's own long-run rate
+maximises the rate (a renewal-reward argument; Dinkelbach's for ratios): a
+step verifies one more token only if what it adds to E beats what its added
+cost earns at the rate decoding already gets. The per-step ratio E / (C + d)
+would not: it takes tokens worth less than R where the drafting is sunk, and
+stops short where a long proposal earns more than R at the margin. With no
+confidence the gate proposes nothing; with full confidence, the whole block
+wherever the verify costs less than a step per token.
 
 A token tree (alternatives to a token, each on a branch of its own) is gated
 the same way: E is 1 plus the sum, over the tokens verified, of each one's
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import operator
 import statistics
 import time
@@ -65,24 +73,25 @@ class VerifyCost:
             raise ValueError(f"width {wanted} outside the cost table's 1..{self.max_width}")
         return min(range(wanted, self.max_width + 1), key=lambda k: (self.relative[k - 1], k))
 
-    def best_count(self, values: Sequence[float], draft_cost: float = 0.0) -> tuple[int, float]:
-        """``(n, gain)``: how many draft tokens to verify after the last committed one, and the expected committed
-        tokens per unit of cost that gives. ``values`` are the proposal's tokens' probabilities of being accepted, each
-        its whole path's (a token counts only with every token before it on its branch), highest first: the verify
-        takes the first n, padded to their cheapest width (slots past the proposal's end expect nothing). A chain's
-        values are the running products of its conditional acceptances (``path_values``)."""
+    def best_count(self, values: Sequence[float], draft_cost: float = 0.0, rate: float = 1.0) -> tuple[int, float]:
+        """``(n, surplus)``: how many draft tokens to verify after the last committed one, and the expected committed
+        tokens beyond what the step's cost would earn at ``rate`` tokens per plain step, E - rate x (C + d). ``values``
+        are the proposal's tokens' probabilities of being accepted, each its whole path's (a token counts only with
+        every token before it on its branch), highest first: the verify takes the first n, padded to their cheapest
+        width (slots past the proposal's end expect nothing). A chain's values are the running products of its
+        conditional acceptances (``path_values``). Ties go to the shorter verify."""
         limit = min(len(values), self.max_width - 1)
-        best, best_gain = 0, 0.0
+        best, best_surplus = 0, -math.inf
         for n in range(limit + 1):
             width = self.width(n + 1)
-            gain = (1.0 + sum(values[: width - 1])) / (self.relative[width - 1] + draft_cost)
-            if gain > best_gain + 1e-12:
-                best, best_gain = width - 1, gain
-        return best, best_gain
+            surplus = 1.0 + sum(values[: width - 1]) - rate * (self.relative[width - 1] + draft_cost)
+            if surplus > best_surplus + 1e-12:
+                best, best_surplus = width - 1, surplus
+        return best, best_surplus
 
-    def best_length(self, accept: Sequence[float], draft_cost: float = 0.0) -> tuple[int, float]:
+    def best_length(self, accept: Sequence[float], draft_cost: float = 0.0, rate: float = 1.0) -> tuple[int, float]:
         """``best_count`` for a chain whose tokens' conditional acceptance probabilities are ``accept``."""
-        return self.best_count(path_values(accept), draft_cost)
+        return self.best_count(path_values(accept), draft_cost, rate)
 
     def to_dict(self) -> dict:
         return {"relative": list(self.relative), "step_ms": self.step_ms}
@@ -119,6 +128,24 @@ class PaidCost:
     def paid_table(self) -> dict[int, dict]:
         """Per width verified: the median paid, in plain steps, and how many verifies it is of."""
         return {k: {"relative": statistics.median(v), "verifies": len(v)} for k, v in sorted(self.paid.items())}
+
+
+@dataclass
+class Throughput:
+    """A gated decoding's committed tokens per unit of cost so far (its verifies and drafts, in plain steps): the
+    ``rate`` its gate weighs each step's cost with. ``prior_steps`` plain steps (a token for a step's cost) start it."""
+
+    tokens: float = 0.0
+    cost: float = 0.0
+    prior_steps: int = 8
+
+    @property
+    def rate(self) -> float:
+        return (self.tokens + self.prior_steps) / (self.cost + self.prior_steps)
+
+    def update(self, tokens: int, cost: float) -> None:
+        self.tokens += tokens
+        self.cost += cost
 
 
 def path_values(accept: Sequence[float]) -> list[float]:

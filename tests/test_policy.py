@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from dflash.decode import DFlashProposer, GatedProposer, PromptLookup, PromptLookupProposer, Proposal, draft_head, merge, speculative_generate
 from dflash.kernels import PackedLinear, draft_linears, int8_kernel_available, kernel_of, pack_linears, packed_kernel_available
-from dflash.policy import Calibration, LookupConfidence, PaidCost, VerifyCost, acceptance_lengths, path_values
+from dflash.policy import Calibration, LookupConfidence, PaidCost, Throughput, VerifyCost, acceptance_lengths, path_values
 from dflash.step import BlockOutcomes
 
 # -- the gate ----------------------------------------------------------------------------------------------
@@ -20,23 +20,37 @@ from dflash.step import BlockOutcomes
 
 def test_gate_proposes_nothing_without_confidence_and_the_whole_block_with_full_confidence():
     cost = VerifyCost((1.0, 1.2, 1.3, 1.5))
-    assert cost.best_length([0.0, 0.0, 0.0]) == (0, 1.0)
-    # Full confidence: 4 tokens for 1.5 steps beats 3 for 1.3, 2 for 1.2 and 1 for 1.0.
-    n, gain = cost.best_length([1.0, 1.0, 1.0])
-    assert n == 3 and gain == pytest.approx(4 / 1.5)
+    assert cost.best_length([0.0, 0.0, 0.0]) == (0, 0.0)  # a plain step earns exactly its cost at rate 1
+    # Full confidence: 4 tokens for 1.5 steps (surplus 2.5) beats 3 for 1.3 (1.7), 2 for 1.2 (0.8) and 1 for 1.0 (0).
+    assert cost.best_length([1.0, 1.0, 1.0]) == (3, pytest.approx(2.5))
+    assert cost.best_length([1.0, 1.0, 1.0], rate=2.0) == (3, pytest.approx(4 - 2 * 1.5))
     # A verify that costs a step per token never pays, however sure the drafter is; ties go to the shorter verify.
-    assert VerifyCost((1.0, 2.0, 3.0)).best_length([1.0, 1.0]) == (0, 1.0)
+    assert VerifyCost((1.0, 2.0, 3.0)).best_length([1.0, 1.0]) == (0, 0.0)
 
 
-def test_gate_weighs_expected_tokens_against_cost_and_the_drafting_cost():
+def test_gate_weighs_expected_tokens_against_cost_at_the_rate_decoding_gets():
     cost = VerifyCost((1.0, 1.2, 1.3))
-    # q = (0.5, 0.5): E(1) = 1.5 at 1.2 → 1.25; E(2) = 1.75 at 1.3 → 1.346; E(0) = 1 at 1.0.
-    assert cost.best_length([0.5, 0.5]) == (2, pytest.approx(1.75 / 1.3))
-    # q = (0.15, 0): E(1) = 1.15 at 1.2 → 0.958 < 1: stay silent.
+    # q = (0.5, 0.5): E = 1, 1.5, 1.75 for 0, 1, 2 tokens. At rate 1 the surpluses are 0, 0.3, 0.45.
+    assert cost.best_length([0.5, 0.5]) == (2, pytest.approx(0.45))
+    # At rate 3 the step's 0.75 tokens more for 0.3 steps more (2.5 a step) earn less than decoding already does.
+    assert cost.best_length([0.5, 0.5], rate=3.0) == (0, pytest.approx(-2.0))
+    # q = (0.15, 0): 0.15 tokens more for 0.2 steps more: stay silent.
     assert cost.best_length([0.15, 0.0])[0] == 0
-    # A drafting cost of 0.5 step is paid whatever is verified: 1.15 / 1.7 = 0.68 > 1 / 1.5 = 0.67.
-    assert cost.best_length([0.15, 0.0], draft_cost=0.5)[0] == 1
+    # So too when 0.5 step of drafting is already spent, where the ratio E / cost would verify (1.15 / 1.7 > 1 / 1.5).
+    assert cost.best_length([0.15, 0.0], draft_cost=0.5)[0] == 0
+    # A long confident chain: the fourth token adds 0.3645 tokens for 0.2 steps, more than rate 1.5 earns, so it is
+    # verified, where the ratio would stop at three (3.439 / 1.3 = 2.65 > 3.8035 / 1.5 = 2.54).
+    long = VerifyCost((1.0, 1.1, 1.2, 1.3, 1.5))
+    assert long.best_length([0.9, 0.9, 0.9, 0.5], rate=1.5) == (4, pytest.approx(3.8035 - 1.5 * 1.5))
+    assert long.best_length([0.9, 0.9, 0.9, 0.5], rate=2.5)[0] == 3  # 0.3645 / 0.2 < 2.5
     assert path_values([0.5, 0.5]) == [0.5, 0.25]
+
+
+def test_the_throughput_starts_at_a_plain_steps_rate_and_follows_what_decoding_commits():
+    throughput = Throughput()
+    assert throughput.rate == 1.0
+    throughput.update(tokens=24, cost=8.0)
+    assert throughput.rate == pytest.approx((24 + 8) / (8 + 8))
 
 
 def test_verify_is_padded_to_the_cheapest_width_at_or_above_the_wanted_one():
@@ -44,10 +58,9 @@ def test_verify_is_padded_to_the_cheapest_width_at_or_above_the_wanted_one():
     assert [cost.width(k) for k in (1, 2, 3, 4)] == [1, 4, 4, 4]
     assert cost.relative[cost.width(2) - 1] == 1.4
     # One confident token is verified at width 4 with two more draft tokens: E = 1 + .9 + .9*.2 + .9*.2*.1.
-    n, gain = cost.best_length([0.9, 0.2, 0.1])
-    assert n == 3 and gain == pytest.approx((1 + 0.9 + 0.18 + 0.018) / 1.4)
+    assert cost.best_length([0.9, 0.2, 0.1]) == (3, pytest.approx(1 + 0.9 + 0.18 + 0.018 - 1.4))
     # Past the proposal's end the padding expects nothing: one token, width 4.
-    assert cost.best_length([0.9]) == (3, pytest.approx(1.9 / 1.4))
+    assert cost.best_length([0.9]) == (3, pytest.approx(1.9 - 1.4))
     with pytest.raises(ValueError):
         VerifyCost((1.0, -1.0))
 
@@ -57,17 +70,19 @@ def test_gate_takes_a_trees_most_likely_tokens_each_after_its_parent():
     # A chain a b c (values .6 .3 .15), d an alternative to a (.3), e to b (.6 x .2 = .12).
     tree = Proposal([10, 11, 12, 13, 14], accept=[0.6, 0.5, 0.5, 0.3, 0.2], parents=[-1, 0, 1, -1, 0], source="dflash")
     assert tree.values() == pytest.approx([0.6, 0.3, 0.15, 0.3, 0.12])
-    # E / cost: 1 token 1.6/1.1, 2 tokens (a, d: the shallower of equals first) 1.9/1.2, 3 (b too) 2.2/1.3, 4 2.35/2.0.
-    chosen = GatedProposer([], cost).choose(tree, 4, 0.0, last=9)
+    # E - cost: 1 token 1.6 - 1.1, 2 tokens (a, d: the shallower of equals first) 1.9 - 1.2, 3 (b too) 2.2 - 1.3, 4 2.35 - 2.
+    chosen = GatedProposer([], cost).choose(tree, 4, 0.0, last=9, rate=1.0)
     assert chosen == Proposal([10, 13, 11], accept=[0.6, 0.3, 0.5], parents=[-1, -1, 0], source="dflash", own=3)
-    # A cheaper 5-wide verify makes 4 tokens pay (2.35 / 1.35), the last one c, after b.
+    # A cheaper 5-wide verify makes 4 tokens pay (2.35 - 1.35), the last one c, after b.
     cheaper = GatedProposer([], VerifyCost((1.0, 1.1, 1.2, 1.3, 1.35)))
-    assert cheaper.choose(tree, 4, 0.0, last=9) == Proposal([10, 13, 11, 12], accept=[0.6, 0.3, 0.5, 0.5], parents=[-1, -1, 0, 2], source="dflash", own=4)
-    assert cheaper.choose(tree, 2, 0.0, last=9).tokens == [10, 13]  # at most the count asked for
+    assert cheaper.choose(tree, 4, 0.0, last=9, rate=1.0) == Proposal(
+        [10, 13, 11, 12], accept=[0.6, 0.3, 0.5, 0.5], parents=[-1, -1, 0, 2], source="dflash", own=4
+    )
+    assert cheaper.choose(tree, 2, 0.0, last=9, rate=1.0).tokens == [10, 13]  # at most the count asked for
     # A token the drafter cannot be right about is not verified, whatever was paid to draft it.
-    assert GatedProposer([], cost).choose(Proposal([10], accept=[0.0], source="dflash"), 4, 3.0, last=9).tokens == []
+    assert GatedProposer([], cost).choose(Proposal([10], accept=[0.0], source="dflash"), 4, 3.0, last=9, rate=1.0).tokens == []
     # A table whose 2-wide verify costs less than a plain step pads even an empty proposal, with the last token.
-    padded = GatedProposer([], VerifyCost((1.0, 0.9))).choose(Proposal([], accept=[], source="lookup"), 1, 0.0, last=9)
+    padded = GatedProposer([], VerifyCost((1.0, 0.9))).choose(Proposal([], accept=[], source="lookup"), 1, 0.0, last=9, rate=1.0)
     assert padded.tokens == [9] and padded.own == 0
 
 
@@ -205,10 +220,12 @@ def test_predicted_tau_of_a_gated_tree_counts_an_accepted_alternative():
     calibration = _ranked_fixed(0.6, 0.3)
     # A flat cost verifies all 6 tokens: τ = 1 + the run of first choices + 1 where the next one's alternative is right.
     flat = predicted_tau(outcomes, calibration, VerifyCost((1.0,) * 7), 0.0, branches=2)
-    assert flat == {"tau": pytest.approx((3 + 1 + 1 + 2) / 4), "tau_gated": pytest.approx((4 + 2 + 1 + 2) / 4)}
-    # A cost that pays for one token only: the first choice at position 1.
+    # Its rate: 9 tokens over 4 verifies of one step each.
+    assert flat == {"tau": pytest.approx((3 + 1 + 1 + 2) / 4), "tau_gated": pytest.approx((4 + 2 + 1 + 2) / 4), "rate_gated": pytest.approx(9 / 4)}
+    # A cost that pays for one token only: the first choice at position 1, for 1.05 steps; at the rate that gets
+    # (6 / 4.2), one token still earns more (1.6 - 1.5) than none (1 - 1.43).
     one = predicted_tau(outcomes, calibration, VerifyCost((1.0, 1.05) + (5.0,) * 5), 0.0, branches=2)
-    assert one["tau_gated"] == pytest.approx((2 + 1 + 1 + 2) / 4)
+    assert one["tau_gated"] == pytest.approx((2 + 1 + 1 + 2) / 4) and one["rate_gated"] == pytest.approx(6 / 4.2)
 
 
 def test_training_tau_is_the_cumulative_product_of_correctness():
@@ -249,11 +266,15 @@ def test_gated_drafter_without_confidence_decodes_step_by_step_and_with_full_con
     drafter = constant_drafter(target, +1.0, block_size=8)  # the oracle: always right
     ids = random_prompt(5, 30)
     cost = VerifyCost((1.0,) + (1.5,) * 7)
-    silent = speculative_generate(target, GatedProposer([DFlashProposer(target, drafter, _fixed(0.0))], cost), ids, 17)
+    quiet = Throughput()
+    silent = speculative_generate(target, GatedProposer([DFlashProposer(target, drafter, _fixed(0.0))], cost, quiet), ids, 17)
     assert silent.stats.verified == [0] * 16 and silent.stats.acceptance_lengths == [1] * 16
     assert silent.stats.consulted["dflash"] == 0  # a drafter that can never pay for itself is not run
-    sure = speculative_generate(target, GatedProposer([DFlashProposer(target, drafter, _fixed(1.0))], cost), ids, 17)
+    assert (quiet.tokens, quiet.cost, quiet.rate) == (16, 16.0, 1.0)  # every plain step heard: a token for a step
+    busy = Throughput()
+    sure = speculative_generate(target, GatedProposer([DFlashProposer(target, drafter, _fixed(1.0))], cost, busy), ids, 17)
     assert sure.stats.verified == [7, 7] and sure.stats.acceptance_lengths == [8, 8] and sure.stats.consulted["dflash"] == 2
+    assert (busy.tokens, busy.cost) == (16, 3.0) and busy.rate == pytest.approx(24 / 11)
     assert silent.tokens.tolist() == sure.tokens.tolist() == greedy(target, ids, 17)
     # Every verified position after an accepted prefix is recorded with its prediction.
     assert sure.stats.predictions[:7] == [(k, 1.0, True) for k in range(1, 8)]
@@ -430,7 +451,7 @@ def test_the_gate_decides_with_the_cost_decoding_paid():
     for drafted in (1, 2, 3):
         cost.record([0, drafted], [0.1, 0.2], step_seconds=0.1)
     assert cost.table().relative == pytest.approx((1.0, 2.0, 2.0, 2.0))
-    assert cost.table().best_length([0.3, 0.3, 0.3]) == (0, 1.0)  # 1.417 / 2 < 1
+    assert cost.table().best_length([0.3, 0.3, 0.3]) == (0, 0.0)  # 1.417 - 2 < 0
 
 
 def test_the_evaluation_teaches_the_cost_every_arms_verifies_and_stays_lossless():
