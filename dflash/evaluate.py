@@ -374,6 +374,7 @@ def run_evaluation(
     paid, learnt = arms.cost.paid_table(), arms.cost.table()
     log.info("verify cost as decoding paid it: %s", " ".join(f"{k}:{d['relative']:.2f}" for k, d in paid.items()))
     log.info("verify cost the gate ended with: %s", " ".join(f"{c:.2f}" for c in learnt.relative))
+    log.info("the gated arms' rates (tokens per plain step's cost): %s", ", ".join(f"{arm} {t.rate:.3f}" for arm, t in arms.throughput.items()))
     kernels = {"linear_kernel": "packed" if packed else "default", "draft_kernel": drafting}
     tables = {"decoded": paid, "learnt": list(learnt.relative)}
     (out_dir / "verify_cost.json").write_text(json.dumps(cost.to_dict() | {"draft": draft_cost} | kernels | tables, indent=2) + "\n")
