@@ -364,7 +364,7 @@ class GatedProposer:
         values, depths = proposal.values(), token_depths(proposal.parent_indices())
         return sorted(range(len(values)), key=lambda i: (-values[i], depths[i]))
 
-    def _gain(self, values: list[float], count: int, spent: float, rate: float) -> tuple[int, float]:
+    def _best(self, values: list[float], count: int, spent: float, rate: float) -> tuple[int, float]:
         """The best count of the tokens of ``values`` (highest first) and its surplus at ``rate``."""
         n, surplus = self.cost.best_count(values[:count], spent, rate)
         return min(n, count), surplus
@@ -375,7 +375,7 @@ class GatedProposer:
         last committed token, where the proposal has none); none where a plain step earns more."""
         ranked = self._ranked(proposal)
         values = proposal.values()
-        n, _ = self._gain([values[i] for i in ranked], count, spent, rate)
+        n, _ = self._best([values[i] for i in ranked], count, spent, rate)
         if n == 0:
             return Proposal([], accept=[], source="")
         chosen = ranked[:n]
@@ -405,8 +405,8 @@ class GatedProposer:
             ceiling = candidate.ceiling(count)
             if ceiling is not None:
                 # At best the candidate adds tokens of the highest values it could give, none of them already proposed.
-                reach = self._gain(sorted(pool + ceiling, reverse=True), count, spent + candidate.draft_cost, rate)[1]
-                if reach <= self._gain(pool, count, spent, rate)[1]:
+                reach = self._best(sorted(pool + ceiling, reverse=True), count, spent + candidate.draft_cost, rate)[1]
+                if reach <= self._best(pool, count, spent, rate)[1]:
                     continue
             proposal = candidate.propose(tokens, count)
             if proposal.accept is None:
