@@ -7,11 +7,14 @@ a dense grid. CUDA uses compiled flex_attention; the CPU uses SDPA because
 flex_attention on CPU has no backward in torch 2.13.
 
 Layout of one training row: keys are ``[context (S) | block 0 (B) | block 1 (B) | ...]``,
-queries are the blocks only. Query ``q`` belongs to block ``q // B``.
+queries are the blocks only. Query ``q`` belongs to block ``q // B``; in the drafter's last
+layer, whose queries are each block's drafted positions 1..B-1 only (``TrainingMask.drafted``:
+the anchor's output there feeds nothing), to block ``q // (B - 1)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,16 +29,19 @@ BACKENDS = ("auto", "flex", "sdpa")
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def dflash_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_length: int, block_size: int) -> MaskMod:
+def dflash_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_length: int, block_size: int, queries_per_block: int | None = None) -> MaskMod:
     """The DFlash training mask.
 
     A block sees the context strictly before its anchor (the anchor's own hidden
     state does not exist yet at inference), all of its own block, never another
-    block. A padding block (``anchor_valid`` false) sees nothing.
+    block. A padding block (``anchor_valid`` false) sees nothing. Each block has
+    ``queries_per_block`` queries (``block_size`` unless given; ``block_size - 1``
+    for the drafted positions only) and ``block_size`` keys.
     """
+    queries_per_block = queries_per_block or block_size
 
     def mask_mod(b, h, q_idx, kv_idx):
-        block = q_idx // block_size
+        block = q_idx // queries_per_block
         anchor = anchors[b, block]
         sees_context = (kv_idx < context_length) & (kv_idx < anchor)
         sees_own_block = (kv_idx >= context_length) & ((kv_idx - context_length) // block_size == block)
@@ -62,6 +68,7 @@ class TrainingMask:
     kernel: Callable | None = None  # flex: the attention kernel (compiled on CUDA)
     dense: torch.Tensor | None = None  # [batch, 1, Q, K] bool; empty rows opened up, see `empty_rows`
     empty_rows: torch.Tensor | None = None  # [batch, 1, Q, 1] bool: queries that see nothing
+    drafted: TrainingMask | None = None  # the same keys for each block's drafted positions 1..B-1 only (the last layer's queries)
 
 
 @functools.cache
@@ -80,24 +87,37 @@ def build_training_mask(
     backend: Backend = "auto",
     compile_block_mask: bool | None = None,
 ) -> TrainingMask:
+    """The mask of every block position's queries, with ``drafted``: the mask of positions 1..B-1's only."""
     batch, num_anchors = anchors.shape
-    q_len = num_anchors * block_size
-    kv_len = context_length + q_len
+    kv_len = context_length + num_anchors * block_size
     device = anchors.device
     kind = resolve_backend(backend, device)
-    mask_mod = dflash_mask_mod(anchors, anchor_valid, context_length, block_size)
     if kind == "flex":
         if compile_block_mask is None:
             compile_block_mask = device.type == "cuda"
         make = compiled_flex_kernels()[0] if compile_block_mask else create_block_mask
         # The CPU runs flex eagerly: forward only (no backward in torch 2.13), in the preflight checks and tests.
         kernel = compiled_flex_kernels()[1] if device.type == "cuda" else flex_attention
-        return TrainingMask("flex", block_mask=make(mask_mod, batch, None, q_len, kv_len, device=device), kernel=kernel)
-    dense = create_mask(mask_mod, batch, 1, q_len, kv_len, device=device)
+
+        def flex(queries: int) -> TrainingMask:
+            mask_mod = dflash_mask_mod(anchors, anchor_valid, context_length, block_size, queries)
+            return TrainingMask("flex", block_mask=make(mask_mod, batch, None, num_anchors * queries, kv_len, device=device), kernel=kernel)
+
+        return dataclasses.replace(flex(block_size), drafted=flex(block_size - 1))
+    mask_mod = dflash_mask_mod(anchors, anchor_valid, context_length, block_size)
+    dense = create_mask(mask_mod, batch, 1, num_anchors * block_size, kv_len, device=device)
     empty = ~dense.any(dim=-1, keepdim=True)
     # SDPA turns a row with no visible key into NaN, which poisons the backward;
     # open such rows to every key and zero their output afterwards (flex gives 0).
-    return TrainingMask("sdpa", dense=dense | empty, empty_rows=empty)
+    dense = dense | empty
+    drafted = TrainingMask("sdpa", dense=drafted_rows(dense, block_size, dim=2).contiguous(), empty_rows=drafted_rows(empty, block_size, dim=2).contiguous())
+    return TrainingMask("sdpa", dense=dense, empty_rows=empty, drafted=drafted)
+
+
+def drafted_rows(x: torch.Tensor, block_length: int, dim: int) -> torch.Tensor:
+    """The rows of ``x`` along ``dim`` (blocks of ``block_length``, one after another) that are drafted: each block's
+    positions 1.., not its anchor at 0."""
+    return x.unflatten(dim, (-1, block_length)).narrow(dim + 1, 1, block_length - 1).flatten(dim, dim + 1)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: TrainingMask | None, scale: float) -> torch.Tensor:

@@ -57,10 +57,12 @@ def drafter_flops(drafter: Shape, features: int, tokens: int, cfg: TrainConfig, 
     """One sample's share of a training step: ``cfg.max_anchors`` blocks of ``block_size`` queries over ``tokens`` of
     context, the fused context (``features`` wide), and the LM head over the loss positions (``vocab``: the draft vocabulary)."""
     queries = cfg.max_anchors * block_size
-    kv = drafter.kv_heads * drafter.head_dim
+    # Rows through q, o and the MLP over all layers: the last layer has none at the anchors (its output there feeds nothing).
+    rows = (drafter.layers - 1) * queries + cfg.max_anchors * (block_size - 1)
+    key_value = 2 * drafter.hidden * drafter.kv_heads * drafter.head_dim  # the k and v projections' parameters
     fusion = 3 * 2 * tokens * features * drafter.hidden
-    layers = drafter.layers * (3 * 2 * queries * drafter.layer_params + 3 * 2 * tokens * 2 * drafter.hidden * kv)
-    attention = drafter.layers * 3 * 2 * 2 * queries * (tokens / 2 + block_size) * drafter.heads * drafter.head_dim
+    layers = 3 * 2 * (rows * (drafter.layer_params - key_value) + drafter.layers * (queries + tokens) * key_value)
+    attention = 3 * 2 * 2 * rows * (tokens / 2 + block_size) * drafter.heads * drafter.head_dim
     # Weighted positions per block: the decay's sum (sampled loss positions keep about that many).
     kept = float(decay_weights(block_size, cfg.gamma or default_gamma(block_size)).sum()) if cfg.sample_loss_positions else block_size - 1
     head = 2 * 2 * cfg.max_anchors * kept * drafter.hidden * (vocab or drafter.vocab)

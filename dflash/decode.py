@@ -223,7 +223,7 @@ class DFlashProposer:
             cache=self.cache,
         )
         self.context = None  # now in the cache
-        logits = self.project(hidden[0, 1:])
+        logits = self.project(hidden[0])
         if self.calibration is None:
             drafted = logits.argmax(-1)
             return Proposal((drafted if self.token_ids is None else self.token_ids[drafted]).tolist(), source=self.name)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dflash.attention import TrainingMask, attend
+from dflash.attention import TrainingMask, attend, drafted_rows
 from dflash.config import MIN_BLOCK_SIZE, DrafterConfig
 from dflash.errors import InputError, MissingInputError
 from dflash.io import atomic_path, atomic_write_text, discard
@@ -282,8 +282,12 @@ class Attention(nn.Module):
         mask: TrainingMask | None,
         cache: DraftCache | None,
         layer: int,
+        queries: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
-        q = apply_rotary(self.q_norm(self._heads(self.q_proj(block), self.heads)), *block_rope)
+        """``queries``: the rows of ``block`` that query and their rope (all of it unless given); keys and values come
+        from every row of ``block``."""
+        queries, query_rope = (block, block_rope) if queries is None else queries
+        q = apply_rotary(self.q_norm(self._heads(self.q_proj(queries), self.heads)), *query_rope)
         k_block = apply_rotary(self.k_norm(self._heads(self.k_proj(block), self.kv_heads)), *block_rope)
         v_block = self._heads(self.v_proj(block), self.kv_heads)
         k_ctx = apply_rotary(self.k_norm(self._heads(self.k_proj(context), self.kv_heads)), *context_rope)
@@ -295,7 +299,7 @@ class Attention(nn.Module):
         # Under autocast the norms' fp32 weights make q and k fp32 while v is bf16; attention kernels of torch
         # releases before the fix of pytorch#165468 reject mixed dtypes, so all three enter in v's.
         out = attend(q.to(v.dtype), k.to(v.dtype), v, mask, scale=self.head_dim**-0.5)
-        return self.o_proj(out.transpose(1, 2).reshape(*block.shape[:2], -1))
+        return self.o_proj(out.transpose(1, 2).reshape(*queries.shape[:2], -1))
 
 
 class MLP(nn.Module):
@@ -317,9 +321,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, block, context, block_rope, context_rope, mask, cache, layer):
+    def forward(self, block, context, block_rope, context_rope, mask, cache, layer, block_length: int | None = None):
+        """With ``block_length``, only each block's drafted rows (``drafted_rows``) query and come out: the last layer,
+        whose output at an anchor feeds nothing. Every row still gives its keys and values."""
         # The fused context enters every layer as is (KV injection); only the block is normalised here.
-        block = block + self.self_attn(self.input_layernorm(block), context, block_rope, context_rope, mask, cache, layer)
+        normed = self.input_layernorm(block)
+        if block_length is None:
+            block = block + self.self_attn(normed, context, block_rope, context_rope, mask, cache, layer)
+        else:
+            queries = (drafted_rows(normed, block_length, dim=1), tuple(drafted_rows(r, block_length, dim=2) for r in block_rope))
+            mask = None if mask is None else mask.drafted
+            block = drafted_rows(block, block_length, dim=1) + self.self_attn(normed, context, block_rope, context_rope, mask, cache, layer, queries)
         return block + self.mlp(self.post_attention_layernorm(block))
 
 
@@ -369,7 +381,9 @@ class DFlashDrafter(nn.Module):
         mask: TrainingMask | None = None,
         cache: DraftCache | None = None,
     ) -> torch.Tensor:
-        """Hidden states of the block tokens, ready for the target's LM head.
+        """Hidden states of the drafted block tokens ``[batch, blocks x (L - 1), H]``, ready for the target's LM head:
+        each block's positions 1..L-1 (L: ``block_size`` with a training ``mask``, else the one block's length). The last
+        layer computes no output at the anchors, which feeds nothing.
 
         context_features: [batch, S, K*H], the selected target layers concatenated (new positions only when ``cache`` holds earlier ones).
         block_embeddings: [batch, Q, H], the target's embedding of the block tokens.
@@ -382,12 +396,14 @@ class DFlashDrafter(nn.Module):
         block_rope = self.rotary(block_positions, dtype)
         context_rope = self.rotary(context_positions, dtype)
         hidden = block_embeddings
+        block_length = self.block_size if mask is not None else block_embeddings.shape[1]
         for i, layer in enumerate(self.layers):
+            args = (hidden, context, block_rope, context_rope, mask, cache, i, block_length if i == len(self.layers) - 1 else None)
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # Recompute the layer in the backward instead of keeping its activations.
-                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, context, block_rope, context_rope, mask, cache, i, use_reentrant=False)
+                hidden = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
             else:
-                hidden = layer(hidden, context, block_rope, context_rope, mask, cache, i)
+                hidden = layer(*args)
         return self.norm(hidden)
 
     # -- checkpoint format -------------------------------------------------------------------

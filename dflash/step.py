@@ -55,7 +55,8 @@ def compile_drafter(drafter: DFlashDrafter, enabled: bool):
 
 
 def drafter_hidden(drafter_forward, target: Target, batch: Batch, attention_backend: str) -> torch.Tensor:
-    """The drafter's last hidden states over a batch's blocks ``[b, A*B, H]`` (the training mask, the frozen embedding)."""
+    """The drafter's last hidden states over a batch's drafted block positions ``[b, A*(B-1), H]`` (the training mask,
+    the frozen embedding)."""
     device = target.device
     blocks = batch.blocks
     block_size = blocks.input_ids.shape[1] // batch.anchors.shape[1]
@@ -76,13 +77,14 @@ def drafter_loss(
     block_size = blocks.input_ids.shape[1] // batch.anchors.shape[1]
     hidden = drafter_hidden(drafter_forward, target, batch, attention_backend)
     weights = blocks.weights.to(device).flatten()
-    rows = weights.nonzero().squeeze(1)
+    rows = weights.nonzero().squeeze(1)  # never an anchor (position 0 weighs 0), so each has a drafted row:
+    drafted = rows - rows // block_size - 1  # row (block, k) of the blocks is row (block, k - 1) of the drafted positions
     if blocks.soft_ids is not None:  # distillation: the target's top-k distribution
         labels, probs = blocks.soft_ids.to(device).flatten(0, 1)[rows], blocks.soft_probs.to(device).flatten(0, 1)[rows]
     else:
         labels, probs = blocks.labels.to(device).flatten()[rows], None
     loss, predictions = FrozenHeadCrossEntropy.apply(
-        hidden.flatten(0, 1)[rows],
+        hidden.flatten(0, 1)[drafted],
         target.lm_head.weight if head is None else head,
         labels,
         weights[rows],
@@ -172,7 +174,7 @@ def block_outcomes(drafter, target: Target, project, batch: Batch, cfg: TrainCon
     with torch.autocast(target.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
         hidden = drafter_hidden(drafter, target, batch, cfg.attention_backend)
     block_size = batch.blocks.input_ids.shape[1] // batch.anchors.shape[1]
-    hidden = hidden.view(-1, block_size, hidden.shape[-1])[:, 1:]
+    hidden = hidden.view(-1, block_size - 1, hidden.shape[-1])
     labels = batch.blocks.labels.view(-1, block_size)[:, 1:].to(target.device)
     counted = batch.blocks.weights.view(-1, block_size)[:, 1:].to(target.device) > 0
     top, predicted = [], []

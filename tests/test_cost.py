@@ -20,11 +20,15 @@ def test_layer_parameters_and_the_targets_pass():
 
 def test_the_drafters_step():
     cfg = TrainConfig(max_anchors=2, sample_loss_positions=False)
-    # 2 anchors x block 2 = 4 queries, 3 context tokens, features 8 wide:
-    # fusion 3x2x3x8x4 = 576; layer 3x2x4x144 + 3x2x3x2x4x2 (context k, v) = 3456 + 288;
-    # attention 3x2x2x4x(1.5 + 2)x2x2 = 672; head 2x2x2 anchors x 1 position x 4 x 10 = 320.
-    assert drafter_flops(SHAPE, 8, 3, cfg, block_size=2) == pytest.approx(576 + 3456 + 288 + 672 + 320)
-    assert drafter_flops(SHAPE, 8, 3, cfg, block_size=2, vocab=5) == pytest.approx(576 + 3456 + 288 + 672 + 160)
+    # 2 anchors x block 2 = 4 block rows, of which the last (here the only) layer queries the 2 drafted ones;
+    # 3 context tokens, features 8 wide: fusion 3x2x3x8x4 = 576; layer: q, o and MLP (144 - 16 parameters) over
+    # 2 rows 3x2x2x128 = 1536, k and v (2x4x2 = 16) over 4 block rows and 3 context tokens 3x2x7x16 = 672;
+    # attention 3x2x2x2x(1.5 + 2)x2x2 = 336; head 2x2x2 anchors x 1 position x 4 x 10 = 320.
+    assert drafter_flops(SHAPE, 8, 3, cfg, block_size=2) == pytest.approx(576 + 1536 + 672 + 336 + 320)
+    assert drafter_flops(SHAPE, 8, 3, cfg, block_size=2, vocab=5) == pytest.approx(576 + 1536 + 672 + 336 + 160)
+    # Two layers: the first queries all 4 block rows, 3x2x4x128 = 3072 and attention 672 more; k and v twice.
+    deep = Shape(hidden=4, intermediate=8, layers=2, heads=2, kv_heads=1, head_dim=2, vocab=10)
+    assert drafter_flops(deep, 8, 3, cfg, block_size=2) == pytest.approx(576 + 1536 + 3072 + 2 * 672 + 336 + 672 + 320)
 
 
 def test_a_balanced_split():

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.nn.attention.flex_attention import create_mask
 
 from dflash.attention import attend, build_training_mask, dflash_mask_mod
 from dflash.config import DrafterConfig
@@ -89,8 +90,6 @@ EXPECTED_MASK = torch.tensor(
 
 
 def test_mask_mod_semantics_on_a_hand_made_case():
-    from torch.nn.attention.flex_attention import create_mask
-
     mod = dflash_mask_mod(MASK_ANCHORS, MASK_VALID, MASK_S, MASK_B)
     dense = create_mask(mod, 2, 1, 4, MASK_S + 4, device="cpu")[:, 0]
     assert torch.equal(dense, EXPECTED_MASK)
@@ -101,6 +100,38 @@ def test_sdpa_mask_opens_only_empty_rows():
     empty = ~EXPECTED_MASK.any(-1)
     assert torch.equal(mask.empty_rows[:, 0, :, 0], empty)
     assert torch.equal(mask.dense[:, 0], EXPECTED_MASK | empty[..., None])
+
+
+def test_the_drafted_mask_is_the_rows_of_each_blocks_drafted_positions():
+    """B=2: each block's query 1 (rows 1 and 3 of the full mask) is all the last layer asks."""
+    mask = build_training_mask(MASK_ANCHORS, MASK_VALID, MASK_S, MASK_B, backend="sdpa")
+    drafted = EXPECTED_MASK[:, [1, 3]]
+    assert torch.equal(mask.drafted.empty_rows[:, 0, :, 0], ~drafted.any(-1))
+    assert torch.equal(mask.drafted.dense[:, 0], drafted | ~drafted.any(-1, keepdim=True))
+    mod = dflash_mask_mod(MASK_ANCHORS, MASK_VALID, MASK_S, MASK_B, queries_per_block=MASK_B - 1)
+    assert torch.equal(create_mask(mod, 2, 1, 2, MASK_S + 4, device="cpu")[:, 0], drafted)
+
+
+@pytest.mark.parametrize("backend", ["flex", "sdpa"])
+def test_the_drafted_rows_alone_equal_every_row_computed_then_the_anchors_dropped(tiny_drafter_config, backend):
+    """The last layer computes no output at the anchors: what it gives the drafted positions is what computing every
+    position would (two layers, so that the first still computes the anchors whose keys the last one reads)."""
+    torch.manual_seed(0)
+    config = dataclasses.replace(tiny_drafter_config, num_hidden_layers=2)
+    drafter = DFlashDrafter(config).eval()
+    anchors, valid, features, blocks, ctx_pos, blk_pos = _training_inputs(config)
+    mask = build_training_mask(anchors, valid, features.shape[1], config.block_size, backend=backend)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        drafted = drafter(features, blocks, ctx_pos, blk_pos, mask=mask)
+        context = drafter.hidden_norm(drafter.fc(features))
+        rope = drafter.rotary(blk_pos, torch.float32), drafter.rotary(ctx_pos, torch.float32)
+        every = blocks
+        for i, layer in enumerate(drafter.layers):
+            every = layer(every, context, *rope, mask, None, i)
+        every = drafter.norm(every)
+    assert drafted.shape == (2, 3 * (config.block_size - 1), 64)
+    torch.testing.assert_close(drafted, every.view(2, 3, config.block_size, 64)[:, :, 1:].flatten(1, 2), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", ["flex", "sdpa"])
@@ -148,7 +179,8 @@ def test_flex_and_sdpa_give_the_same_drafter_output(tiny_drafter_config):
     assert torch.isfinite(outputs["sdpa"]).all()
     torch.testing.assert_close(outputs["flex"], outputs["sdpa"], rtol=1e-5, atol=1e-5)
     # The anchor at 0 sees no context at all, only its own block: still finite and equal in both.
-    assert torch.isfinite(outputs["flex"][0, :4]).all()
+    assert outputs["sdpa"].shape == (2, 3 * (tiny_drafter_config.block_size - 1), 64)
+    assert torch.isfinite(outputs["flex"][0, :3]).all()
 
 
 @pytest.mark.parametrize("backend", ["flex", "sdpa"])
@@ -176,14 +208,14 @@ def test_sdpa_backward_is_finite_and_padding_blocks_get_no_gradient(tiny_drafter
     features.requires_grad_(True)
     mask = build_training_mask(anchors, valid, features.shape[1], tiny_drafter_config.block_size, backend="sdpa")
     out = drafter(features, blocks, ctx_pos, blk_pos, mask=mask)
-    block = tiny_drafter_config.block_size
+    drafted = tiny_drafter_config.block_size - 1  # rows per block in the output
     # Loss on the padding block of row 1 only: it saw nothing, so no gradient reaches the context.
-    out[1, 2 * block :].square().sum().backward(retain_graph=True)
+    out[1, 2 * drafted :].square().sum().backward(retain_graph=True)
     assert torch.equal(features.grad, torch.zeros_like(features.grad))
     assert all(torch.isfinite(p.grad).all() for p in drafter.parameters() if p.grad is not None)
     # Loss on row 0's block at anchor 5: gradient reaches context positions 0..4 only.
     features.grad = None
-    out[0, block : 2 * block].square().sum().backward()
+    out[0, drafted : 2 * drafted].square().sum().backward()
     touched = features.grad[0].abs().sum(-1) > 0
     assert touched.tolist() == [True] * 5 + [False] * 7
     assert features.grad[1].abs().sum() == 0
@@ -214,7 +246,7 @@ def test_training_block_equals_inference_with_cache(tiny_drafter_config):
             )
             assert cache.length == anchor
             assert len(cache.keys) == tiny_drafter_config.num_hidden_layers
-            torch.testing.assert_close(inferred[0], trained[0, slot * block : (slot + 1) * block], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(inferred[0], trained[0, slot * (block - 1) : (slot + 1) * (block - 1)], rtol=1e-5, atol=1e-5)
 
 
 def test_block_output_ignores_context_at_and_after_its_anchor(tiny_drafter_config):
@@ -227,8 +259,8 @@ def test_block_output_ignores_context_at_and_after_its_anchor(tiny_drafter_confi
     with torch.no_grad():
         before = drafter(features, blocks, ctx_pos, blk_pos, mask=mask)
         after = drafter(changed, blocks, ctx_pos, blk_pos, mask=mask)
-    assert torch.equal(before[0, :8], after[0, :8])  # blocks at anchors 0 and 5: unchanged
-    assert not torch.allclose(before[0, 8:], after[0, 8:])  # the block at anchor 8 sees 5..7
+    assert torch.equal(before[0, :6], after[0, :6])  # blocks at anchors 0 and 5 (3 drafted rows each): unchanged
+    assert not torch.allclose(before[0, 6:], after[0, 6:])  # the block at anchor 8 sees 5..7
     assert torch.equal(before[1], after[1])  # the other row never sees row 0
 
 
