@@ -11,8 +11,11 @@ a speculative step costs in target steps:
   c(k)/c(1) for k = 1..max(8, B), on torch's default linear and on oneDNN's packed one
   (``dflash.kernels``), the two interleaved in rounds (median over rounds);
 - one proposal of the run's drafter at its block size, per draft kernel (torch's
-  default, oneDNN packed, int8), as a fraction of c(1): right after a target verify,
-  as decoding pays it, and timed alone, where its weights stay in the CPU's caches.
+  default, oneDNN packed in fp32 and in bf16 where native, int8), as a fraction of
+  c(1): right after a target verify, as decoding pays it, and timed alone, where its
+  weights stay in the CPU's caches; and, per draft kernel, the validation τ
+  teacher-forced as the evaluation computes it (every draft position verified), which
+  a kernel of fewer bytes may lower.
 
 The speedup a run can reach is about τ / (c(B)/c(1) + draft cost): the figures say which
 part to improve. Median timings; machines of one kind differ, so compare ratios.
@@ -62,20 +65,42 @@ def kernel_costs(target, context: int, max_width: int, repeats: int, rounds: int
     return {name: [statistics.median(column) for column in zip(*rows)] for name, rows in per_round.items()}
 
 
-def draft_costs(target, drafter, block_size: int, context: int, repeats: int, rounds: int = 3) -> dict[str, dict[str, float]]:
+def draft_kernels(drafter) -> dict:
+    """The run's drafter on each draft kernel available here (``dflash.kernels.draft_linears``)."""
+    from dflash.kernels import DRAFT_KERNELS, draft_linears, kernel_available
+
+    parameter = next(drafter.parameters())
+    drafters = {}
+    for kernel in ("default", *DRAFT_KERNELS):
+        if kernel_available(kernel, parameter.device, parameter.dtype):
+            drafters[kernel] = copy.deepcopy(drafter)
+            draft_linears(drafters[kernel], kernel)
+    return drafters
+
+
+def validation_tau(target, drafters: dict, results: Path, block_size: int) -> dict[str, float]:
+    """Per draft kernel: τ teacher-forced on the run's validation samples, every draft position verified."""
+    from dflash.data import read_samples
+    from dflash.decode import draft_head
+    from dflash.evaluate import calibrate
+    from dflash.policy import acceptance_lengths
+
+    validation = read_samples(results / "data" / "validation.parquet")
+    taus = {}
+    for kernel, model in drafters.items():
+        outcomes = calibrate(target, model, validation, block_size, draft_head(target, model))[1]
+        blocks = outcomes.counted[:, 0]  # blocks whose first draft position is labelled, as the evaluation counts them
+        taus[kernel] = float(acceptance_lengths(outcomes.correct[blocks], outcomes.counted[blocks]).float().mean())
+    return taus
+
+
+def draft_costs(target, drafters: dict, block_size: int, context: int, repeats: int, rounds: int = 3) -> dict[str, dict[str, float]]:
     """Milliseconds of one proposal of the run's drafter at ``block_size`` (the evaluation's), per draft kernel
     available here: right after a target verify, as decoding makes it, and timed alone (the drafter's weights
     still in cache from the proposal before); kernels interleaved in rounds, median over rounds."""
     from dflash.decode import draft_head
     from dflash.evaluate import measure_draft_ms
-    from dflash.kernels import draft_linears, kernel_available
 
-    parameter = next(drafter.parameters())
-    drafters = {}
-    for kernel in ("default", "packed", "int8"):
-        if kernel_available(kernel, parameter.device, parameter.dtype):
-            drafters[kernel] = copy.deepcopy(drafter)
-            draft_linears(drafters[kernel], kernel)
     heads = {kernel: draft_head(target, model) for kernel, model in drafters.items()}
     timings: dict[str, dict[str, list[float]]] = {kernel: {"decoding_ms": [], "alone_ms": []} for kernel in drafters}
     for _ in range(rounds):
@@ -107,7 +132,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from dflash.config import cpu_threads
-    from dflash.kernels import pack_linears, resolve_kernel
+    from dflash.kernels import pack_linears, resolve_draft_kernel
     from dflash.model import DFlashDrafter
     from dflash.target import load_from_manifest
 
@@ -120,8 +145,10 @@ def main() -> None:
     costs = kernel_costs(target, args.context, len(widths), args.repeats)
     kernel = "packed" if "packed" in costs else "default"
     pack_linears(target.model, kernel)
-    drafts = draft_costs(target, drafter, block_size, args.context, args.repeats)
-    draft_kernel = resolve_kernel("auto", target.device, target.dtype, ("int8", "packed"))
+    drafters = draft_kernels(drafter)
+    drafts = draft_costs(target, drafters, block_size, args.context, args.repeats)
+    taus = validation_tau(target, drafters, args.results, block_size)
+    draft_kernel = resolve_draft_kernel(drafter)
     one = costs[kernel][0]
     per_position, chosen = acceptance(args.results, summary)
 
@@ -132,7 +159,8 @@ def main() -> None:
     for name, draft in drafts.items():
         print(
             f"  {name:<8}after a verify {draft['decoding_ms']:.1f} ({draft['decoding_ms'] / one:.3f}), "
-            f"alone {draft['alone_ms']:.1f} ({draft['alone_ms'] / one:.3f})" + ("  <- eval.draft_kernel: auto" if name == draft_kernel else "")
+            f"alone {draft['alone_ms']:.1f} ({draft['alone_ms'] / one:.3f}); validation τ {taus[name]:.3f}"
+            + ("  <- eval.draft_kernel: auto" if name == draft_kernel else "")
         )
     step = costs[kernel][block_size - 1] / one + drafts[draft_kernel]["decoding_ms"] / one
     print(f"a full-block speculative step costs {step:.2f} target steps: it pays for itself above τ = {step:.2f}\n")
@@ -152,6 +180,7 @@ def main() -> None:
         "draft_ms": drafts,
         "draft_ratio": {name: {key: round(ms / one, 3) for key, ms in draft.items()} for name, draft in drafts.items()},
         "draft_kernel": draft_kernel,
+        "validation_tau": taus,
         "step_in_target_steps": round(step, 3),
         "summary": summary.to_dict(orient="records"),
         "per_position_acceptance": per_position,

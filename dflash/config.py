@@ -219,7 +219,7 @@ class EvalConfig:
     # round far apart and outputs part at near-ties.
     target_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     linear_kernel: Literal["auto", "packed", "default"] = "auto"  # the target's linears: oneDNN packed where exact (auto)
-    draft_kernel: Literal["auto", "int8", "packed", "default"] = "auto"  # the drafter's linears and head: the fastest here (auto), exact or not
+    draft_kernel: Literal["auto", "bf16", "packed", "int8", "default"] = "auto"  # the drafter's linears and head (auto: bf16 where native, else packed)
     sets: list[EvalSet] = field(default_factory=lambda: [EvalSet(name="chat", source=HELDOUT), EvalSet(name="humaneval", source=HUMANEVAL)])
 
 

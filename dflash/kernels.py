@@ -1,4 +1,5 @@
-"""The linears of decoding on a CPU: the target's on oneDNN's packed-weight kernel, the drafter's in int8.
+"""The linears of decoding on a CPU: the target's on oneDNN's packed-weight kernel, the drafter's too, in bf16 where
+the CPU computes it natively.
 
 torch's CPU ``linear`` runs a BLAS GEMM whose cost, for the few rows a verify
 has, grows with the row count far faster than the work does (on some CPUs a
@@ -17,12 +18,15 @@ hold on the machine at hand; elsewhere (CUDA, no oneDNN, a build that rounds
 per row count) the model is left as it is.
 
 The draft side needs no exactness (whatever it proposes, the target decides),
-only speed. Each proposal streams the drafter's weights and its head from
-memory after a target forward has evicted them from cache, so its cost is
-their size: ``draft_linears`` stores them as int8 per output channel and
-runs fbgemm's dynamic-quantization linear, a quarter of the bytes. torch has
-deprecated its quantized tensors (pytorch#184982); where they are gone, or
-on CUDA, the drafter falls back to the target's kernel.
+only speed and acceptance. Each proposal streams the drafter's weights and its
+head from memory after a target forward has evicted them from cache, so its
+cost is their size: ``draft_linears`` runs the drafter in bf16 on the packed
+kernel where the CPU computes bf16 natively (half the bytes; its training ran
+in bf16 autocast), else in fp32. int8 (fbgemm's dynamic-quantization linear,
+int8 weights per output channel) streams a quarter of the bytes, but quantizes
+each layer's input with one scale per tensor, which costs acceptance; it runs
+only where named. torch has deprecated its quantized tensors (pytorch#184982);
+where they are gone int8 is unavailable. On CUDA the drafter is left alone.
 """
 
 from __future__ import annotations
@@ -103,16 +107,22 @@ def int8_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def kernel_available(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``kernel`` runs here for a model in ``dtype``; ``bf16`` casts the model to bf16 first, and is available
+    where the CPU computes bf16 natively."""
+    from dflash.target import native_bf16
+
     if kernel == "packed":
         return packed_kernel_available(device, dtype)
+    if kernel == "bf16":
+        return device.type == "cpu" and native_bf16(device) and packed_kernel_available(device, torch.bfloat16)
     return kernel == "default" or int8_kernel_available(device, dtype)
 
 
-def resolve_kernel(kernel: str, device: torch.device, dtype: torch.dtype, choices: tuple[str, ...]) -> str:
-    """The kernel of ``choices`` a setting names: ``auto`` is the first of ``choices`` available here (``default``
-    last); a named one is insisted on (a ``RuntimeError`` where it does not run)."""
+def resolve_kernel(kernel: str, device: torch.device, dtype: torch.dtype, choices: tuple[str, ...], auto: tuple[str, ...] | None = None) -> str:
+    """The kernel of ``choices`` a setting names: ``auto`` is the first of ``auto`` (all ``choices`` unless given)
+    available here, ``default`` last; a named one is insisted on (a ``RuntimeError`` where it does not run)."""
     if kernel == "auto":
-        return next(k for k in (*choices, "default") if kernel_available(k, device, dtype))
+        return next(k for k in (*(choices if auto is None else auto), "default") if kernel_available(k, device, dtype))
     if kernel not in (*choices, "default"):
         raise ValueError(f"unknown linear kernel {kernel!r}: expected auto or one of {', '.join((*choices, 'default'))}")
     if not kernel_available(kernel, device, dtype):
@@ -165,15 +175,30 @@ def pack_linears(model: nn.Module, kernel: str = "auto") -> int:
     return swap_linears(model, resolve_kernel(kernel, parameter.device, parameter.dtype, ("packed",)))
 
 
+DRAFT_KERNELS = ("bf16", "packed", "int8")
+AUTO_DRAFT_KERNELS = ("bf16", "packed")  # int8 only where named: its per-tensor activation scales cost acceptance
+
+
+def resolve_draft_kernel(drafter: nn.Module, kernel: str = "auto") -> str:
+    """The kernel ``eval.draft_kernel`` names for ``drafter`` here (``auto``: bf16 where native, else packed, else default)."""
+    parameter = next(drafter.parameters())
+    return resolve_kernel(kernel, parameter.device, parameter.dtype, DRAFT_KERNELS, AUTO_DRAFT_KERNELS)
+
+
 def draft_linears(drafter: nn.Module, kernel: str = "auto") -> str:
-    """A drafter's linears on the fastest kernel here, exact or not (``auto``: int8, else packed, else default), or
-    the one named; the kernel chosen, which its head's ``projection`` shares (``kernel_of(drafter.layers)``).
+    """A drafter's linears on the kernel ``resolve_draft_kernel`` chooses, cast to bf16 first for ``bf16``; the kernel
+    chosen, which its head's ``projection`` shares (``kernel_of(drafter.layers)``, in ``drafter.dtype``).
 
     In int8, ``fc`` stays on the float kernel: it reads the target's hidden states, whose massive activations (a few
     channels thousands of times the median) an int8 activation scale per tensor cannot represent."""
+    chosen = resolve_draft_kernel(drafter, kernel)
     parameter = next(drafter.parameters())
-    chosen = resolve_kernel(kernel, parameter.device, parameter.dtype, ("int8", "packed"))
-    if chosen == "int8":
+    if chosen == "bf16":
+        drafter.to(torch.bfloat16)
+        swap_linears(drafter, "packed")
+    elif chosen == "int8":
         swap_linears(drafter.layers, "int8")
-    swap_linears(drafter, resolve_kernel("auto", parameter.device, parameter.dtype, ("packed",)) if chosen == "int8" else chosen)
+        swap_linears(drafter, resolve_kernel("auto", parameter.device, parameter.dtype, ("packed",)))
+    else:
+        swap_linears(drafter, chosen)
     return chosen

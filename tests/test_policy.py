@@ -11,9 +11,10 @@ from test_decode import constant_drafter, constant_target, greedy
 from transformers import DynamicCache
 
 from dflash.decode import DFlashProposer, GatedProposer, PromptLookup, PromptLookupProposer, Proposal, draft_head, merge, speculative_generate
-from dflash.kernels import PackedLinear, draft_linears, int8_kernel_available, kernel_of, pack_linears, packed_kernel_available
+from dflash.kernels import PackedLinear, draft_linears, int8_kernel_available, kernel_of, pack_linears, packed_kernel_available, resolve_draft_kernel
 from dflash.policy import Calibration, LookupConfidence, PaidCost, Throughput, VerifyCost, acceptance_lengths, path_values
 from dflash.step import BlockOutcomes
+from dflash.target import native_bf16
 
 # -- the gate ----------------------------------------------------------------------------------------------
 
@@ -401,7 +402,7 @@ def test_an_int8_drafter_stays_close_to_its_float_self_and_decoding_stays_lossle
     with torch.no_grad():
         drafter.fc.weight[:, 7] = 0.0
     quantized = copy.deepcopy(drafter)
-    assert draft_linears(quantized, "auto") == "int8" and kernel_of(quantized.layers) == "int8"
+    assert draft_linears(quantized, "int8") == "int8" and kernel_of(quantized.layers) == "int8"
     assert kernel_of(quantized.fc) == ("packed" if packed_kernel_available(torch.device("cpu"), torch.float32) else "default")
     block = target.embed(torch.tensor([[3] + [drafter.mask_token_id] * 3]))
     with torch.no_grad():
@@ -413,6 +414,38 @@ def test_an_int8_drafter_stays_close_to_its_float_self_and_decoding_stays_lossle
     ids = random_prompt(11, 11)
     assert speculative_generate(target, quantized, ids, 21, block_size=4).tokens.tolist() == greedy(target, ids, 21)
     assert quantized.dtype == torch.float32  # the norms keep the drafter's float dtype
+
+
+needs_native_bf16 = pytest.mark.skipif(
+    not (native_bf16(torch.device("cpu")) and packed_kernel_available(torch.device("cpu"), torch.bfloat16)), reason="no native bf16 on this CPU"
+)
+
+
+def test_without_native_bf16_the_drafter_decodes_in_fp32_and_never_in_int8_unasked(monkeypatch):
+    monkeypatch.setattr("dflash.target.native_bf16", lambda device: False)
+    drafter = build_drafter(build_target(qwen3_config(), seed=5).config, seed=3)
+    assert resolve_draft_kernel(drafter) == ("packed" if packed_kernel_available(torch.device("cpu"), torch.float32) else "default")
+    with pytest.raises(RuntimeError, match="bf16 linear kernel is unavailable"):
+        draft_linears(drafter, "bf16")
+
+
+@needs_native_bf16
+def test_the_drafter_decodes_in_bf16_where_the_cpu_computes_it_natively():
+    target = build_target(qwen3_config(), seed=5)
+    drafter = build_drafter(target.config, seed=3, init_std=0.2)
+    half = copy.deepcopy(drafter)
+    assert draft_linears(half, "auto") == "bf16"
+    assert half.dtype == torch.bfloat16 and kernel_of(half.layers) == "packed" and kernel_of(half.fc) == "packed"
+    features = torch.randn(1, 6, drafter.config.feature_width)
+    block = target.embed(torch.tensor([[3] + [drafter.mask_token_id] * 3]))
+    with torch.no_grad():  # fp32 inputs, as decoding gives them; bf16 keeps about 3 significant digits
+        exact = drafter(features, block, torch.arange(6)[None], torch.arange(6, 10)[None])
+        approx = half(features, block, torch.arange(6)[None], torch.arange(6, 10)[None])
+        assert approx.dtype == torch.bfloat16 and (approx.float() - exact).norm() <= 0.02 * exact.norm()
+        logits, exact_logits = draft_head(target, half)(exact), draft_head(target, drafter)(exact)
+        assert logits.dtype == torch.bfloat16 and (logits.float() - exact_logits).norm() <= 0.02 * exact_logits.norm()
+    ids = random_prompt(11, 11)
+    assert speculative_generate(target, half, ids, 21, block_size=4).tokens.tolist() == greedy(target, ids, 21)
 
 
 def test_pack_linears_leaves_the_model_alone_where_asked_or_unavailable():
