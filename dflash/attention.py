@@ -64,6 +64,7 @@ class TrainingMask:
     """A mask built for one batch, in the form its backend consumes."""
 
     backend: Literal["flex", "sdpa"]
+    block_size: int  # the key blocks' length; each block's queries are its drafted positions alone in ``drafted``
     block_mask: BlockMask | None = None
     kernel: Callable | None = None  # flex: the attention kernel (compiled on CUDA)
     dense: torch.Tensor | None = None  # [batch, 1, Q, K] bool; empty rows opened up, see `empty_rows`
@@ -101,7 +102,7 @@ def build_training_mask(
 
         def flex(queries: int) -> TrainingMask:
             mask_mod = dflash_mask_mod(anchors, anchor_valid, context_length, block_size, queries)
-            return TrainingMask("flex", block_mask=make(mask_mod, batch, None, num_anchors * queries, kv_len, device=device), kernel=kernel)
+            return TrainingMask("flex", block_size, block_mask=make(mask_mod, batch, None, num_anchors * queries, kv_len, device=device), kernel=kernel)
 
         return dataclasses.replace(flex(block_size), drafted=flex(block_size - 1))
     mask_mod = dflash_mask_mod(anchors, anchor_valid, context_length, block_size)
@@ -110,8 +111,10 @@ def build_training_mask(
     # SDPA turns a row with no visible key into NaN, which poisons the backward;
     # open such rows to every key and zero their output afterwards (flex gives 0).
     dense = dense | empty
-    drafted = TrainingMask("sdpa", dense=drafted_rows(dense, block_size, dim=2).contiguous(), empty_rows=drafted_rows(empty, block_size, dim=2).contiguous())
-    return TrainingMask("sdpa", dense=dense, empty_rows=empty, drafted=drafted)
+    drafted = TrainingMask(
+        "sdpa", block_size, dense=drafted_rows(dense, block_size, dim=2).contiguous(), empty_rows=drafted_rows(empty, block_size, dim=2).contiguous()
+    )
+    return TrainingMask("sdpa", block_size, dense=dense, empty_rows=empty, drafted=drafted)
 
 
 def drafted_rows(x: torch.Tensor, block_length: int, dim: int) -> torch.Tensor:

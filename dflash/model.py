@@ -382,7 +382,7 @@ class DFlashDrafter(nn.Module):
         cache: DraftCache | None = None,
     ) -> torch.Tensor:
         """Hidden states of the drafted block tokens ``[batch, blocks x (L - 1), H]``, ready for the target's LM head:
-        each block's positions 1..L-1 (L: ``block_size`` with a training ``mask``, else the one block's length). The last
+        each block's positions 1..L-1 (L: the ``mask``'s ``block_size`` in training and validation, else the one block's length). The last
         layer computes no output at the anchors, which feeds nothing.
 
         context_features: [batch, S, K*H], the selected target layers concatenated (new positions only when ``cache`` holds earlier ones).
@@ -396,7 +396,7 @@ class DFlashDrafter(nn.Module):
         block_rope = self.rotary(block_positions, dtype)
         context_rope = self.rotary(context_positions, dtype)
         hidden = block_embeddings
-        block_length = self.block_size if mask is not None else block_embeddings.shape[1]
+        block_length = mask.block_size if mask is not None else block_embeddings.shape[1]
         for i, layer in enumerate(self.layers):
             args = (hidden, context, block_rope, context_rope, mask, cache, i, block_length if i == len(self.layers) - 1 else None)
             if self.activation_checkpointing and torch.is_grad_enabled():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -528,3 +529,9 @@ def test_the_evaluation_measures_costs_and_calibrates_on_validation_samples(qwen
     assert all(0.0 <= r <= 1.0 for rates in calibration.rates for r in rates)
     predicted = predicted_tau(outcomes, calibration, cost, 0.0)
     assert 1.0 <= predicted["tau_gated"] <= predicted["tau"] <= 4.0
+    # A drafter trained at another block size (gpu-8x trains at 16, decodes at 4) calibrates at the evaluation's:
+    # the same weights give the same outcomes whatever block size they were trained at.
+    wide = copy.deepcopy(drafter)
+    wide.config = dataclasses.replace(drafter.config, block_size=8)
+    wide_outcomes = calibrate(qwen3_target, wide, validation, 4, draft_head(qwen3_target, wide))[1]
+    assert torch.equal(wide_outcomes.correct, outcomes.correct) and torch.equal(wide_outcomes.counted, outcomes.counted)
