@@ -218,10 +218,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """The frequencies stay fp32 whatever the module is cast to: ``Module.to(torch.bfloat16)`` (the drafter decoding
+    in bf16) would round them to 3 digits, an error in the angle that grows with the distance."""
+
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self.frequencies(torch.device("cpu")), persistent=False)
+
+    def frequencies(self, device: torch.device) -> torch.Tensor:
+        return 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim))
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.inv_freq = self.frequencies(self.inv_freq.device)  # moved, never cast
+        return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for ``positions`` [batch, len] as [batch, 1, len, head_dim]."""

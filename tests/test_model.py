@@ -221,6 +221,16 @@ def test_sdpa_backward_is_finite_and_padding_blocks_get_no_gradient(tiny_drafter
     assert features.grad[1].abs().sum() == 0
 
 
+def test_rotary_angles_stay_fp32_in_a_drafter_cast_to_bf16(tiny_drafter_config):
+    """Far apart positions keep their angles when the drafter decodes in bf16: cos and sin are the fp32 drafter's,
+    rounded once at the end (frequencies rounded to bf16 would turn position 3000's angles by up to a few radians)."""
+    drafter = DFlashDrafter(tiny_drafter_config)
+    positions = torch.tensor([[0, 7, 300, 3000]])
+    exact = drafter.rotary(positions, torch.bfloat16)
+    half = drafter.to(torch.bfloat16).rotary(positions, torch.bfloat16)
+    assert all(torch.equal(h, e) for h, e in zip(half, exact))
+
+
 def test_training_block_equals_inference_with_cache(tiny_drafter_config):
     """A block trained at anchor a sees what the drafter sees at inference with positions 0..a-1 in its cache."""
     torch.manual_seed(0)
