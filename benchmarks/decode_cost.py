@@ -83,14 +83,12 @@ def validation_tau(target, drafters: dict, results: Path, block_size: int) -> di
     from dflash.data import read_samples
     from dflash.decode import draft_head
     from dflash.evaluate import calibrate
-    from dflash.policy import acceptance_lengths
 
     validation = read_samples(results / "data" / "validation.parquet")
     taus = {}
     for kernel, model in drafters.items():
-        outcomes = calibrate(target, model, validation, block_size, draft_head(target, model))[1]
-        blocks = outcomes.counted[:, 0]  # blocks whose first draft position is labelled, as the evaluation counts them
-        taus[kernel] = float(acceptance_lengths(outcomes.correct[blocks], outcomes.counted[blocks]).float().mean())
+        total, blocks = calibrate(target, model, validation, block_size, draft_head(target, model))[1].tau_sums()
+        taus[kernel] = total / blocks if blocks else float("nan")
     return taus
 
 

@@ -43,7 +43,7 @@ from dflash.decode import (
 from dflash.errors import InputError
 from dflash.kernels import draft_linears, pack_linears
 from dflash.model import DFlashDrafter
-from dflash.policy import Calibration, LookupConfidence, PaidCost, Throughput, VerifyCost, acceptance_lengths, measure_verify_cost
+from dflash.policy import Calibration, LookupConfidence, PaidCost, Throughput, VerifyCost, measure_verify_cost
 from dflash.target import Target
 
 SUMMARY_COLUMNS = [
@@ -270,7 +270,7 @@ def predicted_tau(outcomes, calibration: Calibration, cost: VerifyCost, draft_co
     blocks = outcomes.counted[:, 0]
     if not blocks.any():
         return {}
-    correct, counted = outcomes.correct[blocks], outcomes.counted[blocks]
+    counted = outcomes.counted[blocks]
     probs, ranked_correct = (t[blocks, :, :branches] for t in outcomes.ranked())
     cases = []
     for p, right, labelled in zip(probs.tolist(), ranked_correct.tolist(), counted.tolist()):
@@ -292,7 +292,8 @@ def predicted_tau(outcomes, calibration: Calibration, cost: VerifyCost, draft_co
         rate, previous = sum(lengths) / spent, rate
         if abs(rate - previous) < 1e-4:
             break
-    return {"tau": float(acceptance_lengths(correct, counted).float().mean()), "tau_gated": sum(lengths) / len(lengths), "rate_gated": rate}
+    total, count = outcomes.tau_sums()
+    return {"tau": total / count, "tau_gated": sum(lengths) / len(lengths), "rate_gated": rate}
 
 
 @torch.no_grad()

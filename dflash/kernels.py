@@ -44,6 +44,12 @@ log = logging.getLogger(__name__)
 # differs from the multi-row one, so every row count must share a hint of at least 2.
 PACK_BATCH_HINT = 4
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# What each kernel needs, for the error where one is named and does not run.
+KERNEL_NEEDS = {
+    "packed": "oneDNN's packed linear, exact at every row count, for the model's dtype on a CPU",
+    "bf16": "a CPU that computes bf16 natively (AVX-512 BF16 or AMX) and oneDNN's packed linear",
+    "int8": "fbgemm's quantized linear, for a model in fp32 on a CPU",
+}
 
 
 class PackedLinear(nn.Module):
@@ -126,7 +132,7 @@ def resolve_kernel(kernel: str, device: torch.device, dtype: torch.dtype, choice
     if kernel not in (*choices, "default"):
         raise ValueError(f"unknown linear kernel {kernel!r}: expected auto or one of {', '.join((*choices, 'default'))}")
     if not kernel_available(kernel, device, dtype):
-        raise RuntimeError(f"the {kernel} linear kernel is unavailable here (or not exact where it must be) for {dtype} on {device}")
+        raise RuntimeError(f"the {kernel} linear kernel needs {KERNEL_NEEDS[kernel]}, which this {device} lacks (model in {dtype}): use auto")
     return kernel
 
 
