@@ -472,3 +472,33 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_drafter_config):
     assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-6)
     for plain, recomputed in zip(grads[0][1], grads[1][1]):
         torch.testing.assert_close(plain, recomputed, rtol=1e-5, atol=1e-7)
+
+
+def test_the_loss_reads_each_labelled_block_position_from_its_drafted_row(tiny_drafter_config):
+    """drafter_loss maps block row (block, k) to drafted row (block, k - 1): the same loss as a weighted cross-entropy
+    over the drafted rows laid back into their blocks (anchors padded), computed by hand."""
+    from dflash.config import TrainConfig
+    from dflash.preflight.synthetic import synthetic_batch
+    from dflash.step import drafter_hidden, drafter_loss
+
+    cfg = TrainConfig(max_anchors=3)
+    batch = synthetic_batch(tiny_drafter_config, [30, 24], cfg)
+    head = torch.randn(tiny_drafter_config.vocab_size, tiny_drafter_config.hidden_size)
+
+    class Target:  # the frozen pieces drafter_loss reads
+        device = torch.device("cpu")
+        embed = torch.nn.Embedding(tiny_drafter_config.vocab_size, tiny_drafter_config.hidden_size)
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(tiny_drafter_config)
+    with torch.no_grad():
+        loss = drafter_loss(drafter, Target, batch, "sdpa", 64, head)[0]
+        drafted = drafter_hidden(drafter, Target, batch, "sdpa")
+    block = tiny_drafter_config.block_size
+    rows = drafted.unflatten(1, (-1, block - 1))
+    laid = torch.cat([torch.zeros_like(rows[:, :, :1]), rows], dim=2).flatten(1, 2)  # [b, A*B, H], anchors zero
+    weights, labels = batch.blocks.weights.flatten(), batch.blocks.labels.flatten()
+    assert weights.view(-1, block)[:, 0].eq(0).all() and weights.gt(0).sum() > 0
+    per_row = torch.nn.functional.cross_entropy(laid.flatten(0, 1) @ head.t(), labels.clamp(min=0), reduction="none")
+    expected = (per_row * weights).sum() / batch.weight_total
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
