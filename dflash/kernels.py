@@ -38,6 +38,8 @@ import warnings
 import torch
 from torch import nn
 
+from dflash.errors import PreflightError
+
 log = logging.getLogger(__name__)
 
 # The row count the weights are packed for: a batch hint of 1 selects a matrix-vector path whose rounding
@@ -124,15 +126,20 @@ def kernel_available(kernel: str, device: torch.device, dtype: torch.dtype) -> b
     return kernel == "default" or int8_kernel_available(device, dtype)
 
 
-def resolve_kernel(kernel: str, device: torch.device, dtype: torch.dtype, choices: tuple[str, ...], auto: tuple[str, ...] | None = None) -> str:
-    """The kernel of ``choices`` a setting names: ``auto`` is the first of ``auto`` (all ``choices`` unless given)
-    available here, ``default`` last; a named one is insisted on (a ``RuntimeError`` where it does not run)."""
+def resolve_kernel(
+    kernel: str, device: torch.device, dtype: torch.dtype, choices: tuple[str, ...], auto: tuple[str, ...] | None = None, setting: str = "the kernel"
+) -> str:
+    """The kernel of ``choices`` the config key ``setting`` names: ``auto`` is the first of ``auto`` (all ``choices``
+    unless given) available here, ``default`` last; a named one is insisted on (a ``PreflightError`` where it does
+    not run)."""
     if kernel == "auto":
         return next(k for k in (*(choices if auto is None else auto), "default") if kernel_available(k, device, dtype))
     if kernel not in (*choices, "default"):
         raise ValueError(f"unknown linear kernel {kernel!r}: expected auto or one of {', '.join((*choices, 'default'))}")
     if not kernel_available(kernel, device, dtype):
-        raise RuntimeError(f"the {kernel} linear kernel needs {KERNEL_NEEDS[kernel]}, which this {device} lacks (model in {dtype}): use auto")
+        raise PreflightError(
+            f"{setting}: the {kernel} linear kernel needs {KERNEL_NEEDS[kernel]}, which this {device} lacks (model in {dtype}): set it to auto"
+        )
     return kernel
 
 
@@ -174,11 +181,11 @@ def swap_linears(model: nn.Module, kernel: str) -> int:
 def pack_linears(model: nn.Module, kernel: str = "auto") -> int:
     """The target's linears on oneDNN's packed kernel (exact at every row count); the number swapped.
 
-    ``kernel``: ``auto`` packs where ``packed_kernel_available``, ``packed`` insists (a ``RuntimeError`` where
-    it is unavailable), ``default`` leaves the model alone.
+    ``kernel`` (``eval.linear_kernel``): ``auto`` packs where ``packed_kernel_available``, ``packed`` insists (a
+    ``PreflightError`` where it is unavailable), ``default`` leaves the model alone.
     """
     parameter = next(model.parameters())
-    return swap_linears(model, resolve_kernel(kernel, parameter.device, parameter.dtype, ("packed",)))
+    return swap_linears(model, resolve_kernel(kernel, parameter.device, parameter.dtype, ("packed",), setting="eval.linear_kernel"))
 
 
 DRAFT_KERNELS = ("bf16", "packed", "int8")
@@ -188,7 +195,7 @@ AUTO_DRAFT_KERNELS = ("bf16", "packed")  # int8 only where named: its per-tensor
 def resolve_draft_kernel(drafter: nn.Module, kernel: str = "auto") -> str:
     """The kernel ``eval.draft_kernel`` names for ``drafter`` here (``auto``: bf16 where native, else packed, else default)."""
     parameter = next(drafter.parameters())
-    return resolve_kernel(kernel, parameter.device, parameter.dtype, DRAFT_KERNELS, AUTO_DRAFT_KERNELS)
+    return resolve_kernel(kernel, parameter.device, parameter.dtype, DRAFT_KERNELS, AUTO_DRAFT_KERNELS, setting="eval.draft_kernel")
 
 
 def draft_linears(drafter: nn.Module, kernel: str = "auto") -> str:

@@ -12,6 +12,7 @@ from test_decode import constant_drafter, constant_target, greedy
 from transformers import DynamicCache
 
 from dflash.decode import DFlashProposer, GatedProposer, PromptLookup, PromptLookupProposer, Proposal, draft_head, merge, speculative_generate
+from dflash.errors import PreflightError
 from dflash.kernels import PackedLinear, draft_linears, int8_kernel_available, kernel_of, pack_linears, packed_kernel_available, resolve_draft_kernel
 from dflash.policy import Calibration, LookupConfidence, PaidCost, Throughput, VerifyCost, acceptance_lengths, path_values
 from dflash.step import BlockOutcomes
@@ -426,7 +427,7 @@ def test_without_native_bf16_the_drafter_decodes_in_fp32_and_never_in_int8_unask
     monkeypatch.setattr("dflash.target.native_bf16", lambda device: False)
     drafter = build_drafter(build_target(qwen3_config(), seed=5).config, seed=3)
     assert resolve_draft_kernel(drafter) == ("packed" if packed_kernel_available(torch.device("cpu"), torch.float32) else "default")
-    with pytest.raises(RuntimeError, match="bf16 linear kernel needs a CPU that computes bf16 natively"):
+    with pytest.raises(PreflightError, match="eval.draft_kernel: the bf16 linear kernel needs a CPU that computes bf16 natively"):
         draft_linears(drafter, "bf16")
 
 
@@ -454,7 +455,7 @@ def test_pack_linears_leaves_the_model_alone_where_asked_or_unavailable():
     assert pack_linears(target.model, "default") == 0
     half = torch.nn.Linear(8, 8).to(torch.float16)
     assert pack_linears(half) == 0
-    with pytest.raises(RuntimeError, match="packed linear kernel needs"):
+    with pytest.raises(PreflightError, match="eval.linear_kernel: the packed linear kernel needs"):
         pack_linears(half, "packed")
 
 
