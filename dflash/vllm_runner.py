@@ -17,6 +17,11 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
+
+# Run by its path, this file has the package's folder first on sys.path, so its modules would shadow installed
+# packages of the same name: transformers probes `import kernels` and would import dflash/kernels.py.
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
