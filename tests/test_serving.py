@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ from test_decode import CONSTANT, constant_drafter, constant_target
 from dflash.config import ServeConfig
 from dflash.decode import speculative_generate
 from dflash.model import DFlashDrafter
-from dflash.serving import acceptance, differences, drafter_over_full_vocab, first_difference, run_vllm, vllm_acceptance
+from dflash.serving import RUNNER, acceptance, differences, drafter_over_full_vocab, first_difference, run_vllm, vllm_acceptance
 from dflash.vocab import FILE_NAME as VOCAB_FILE
 from dflash.vocab import DraftVocab
 
@@ -95,6 +97,15 @@ def vllm_python() -> str:
 
     env = Path(os.environ.get("DFLASH_VLLM_ENV", Path.home() / ".cache" / "dflash" / "vllm-env"))
     return build_env(env, ServeConfig())["python"]
+
+
+def test_the_vllm_runner_run_by_its_path_lets_installed_packages_win_over_the_projects_modules():
+    """vLLM's environment runs the runner by its path, which puts dflash/ first on sys.path: transformers' probe
+    ``import kernels`` then found dflash/kernels.py, and vLLM failed to start. Run as Python runs a script (its folder
+    first on sys.path), the runner must leave ``kernels`` to what is installed."""
+    probe = "import importlib.util, runpy, sys; sys.path.insert(0, sys.argv[1]); runpy.run_path(sys.argv[2]); print(getattr(importlib.util.find_spec('kernels'), 'origin', None))"
+    done = subprocess.run([sys.executable, "-c", probe, str(RUNNER.parent), str(RUNNER)], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() != str(RUNNER.with_name("kernels.py"))
 
 
 def _request(target_dir: Path, prompts: list[torch.Tensor], max_new_tokens: int, drafter_dir: Path | None, block_size: int) -> dict:
