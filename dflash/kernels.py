@@ -127,7 +127,7 @@ def kernel_available(kernel: str, device: torch.device, dtype: torch.dtype) -> b
 
 
 def resolve_kernel(
-    kernel: str, device: torch.device, dtype: torch.dtype, choices: tuple[str, ...], auto: tuple[str, ...] | None = None, setting: str = "the kernel"
+    kernel: str, device: torch.device, dtype: torch.dtype, choices: tuple[str, ...], auto: tuple[str, ...] | None = None, *, setting: str
 ) -> str:
     """The kernel of ``choices`` the config key ``setting`` names: ``auto`` is the first of ``auto`` (all ``choices``
     unless given) available here, ``default`` last; a named one is insisted on (a ``PreflightError`` where it does
@@ -211,7 +211,7 @@ def draft_linears(drafter: nn.Module, kernel: str = "auto") -> str:
         swap_linears(drafter, "packed")
     elif chosen == "int8":
         swap_linears(drafter.layers, "int8")
-        swap_linears(drafter, resolve_kernel("auto", parameter.device, parameter.dtype, ("packed",)))
+        swap_linears(drafter, resolve_kernel("auto", parameter.device, parameter.dtype, ("packed",), setting="eval.draft_kernel"))
     else:
         swap_linears(drafter, chosen)
     return chosen
