@@ -21,4 +21,4 @@ include: "workflow/rules/serve.smk"
 rule all:
     default_target: True
     input:
-        rules.report.output,
+        plain(rules.report.output),

@@ -76,7 +76,7 @@ def prepare_data(args, s) -> None:
     from dflash.target import load_from_manifest, preparation_dtype
 
     # One process per device of the topology, as torchrun started them (the launcher resource of the rule).
-    layout = distributed.join(s["topology"].device)
+    layout = distributed.join(s["topology"])
     target = load_from_manifest(args.target_manifest, device=layout.device, dtype=preparation_dtype(s["data"].generation.dtype, layout.device))
     vllm = None
     if args.vllm_env is not None:

@@ -23,7 +23,9 @@ NCCL on GPU, gloo on CPU. With one process nothing here starts a process group.
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
@@ -37,9 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dflash.config import TopologyConfig
 from dflash.errors import PreflightError
 
-# Ranks wait in collectives while another rank builds its share of the hidden-state
-# cache or rank 0 writes a checkpoint: minutes are normal, an hour is a hang.
-COLLECTIVE_TIMEOUT = timedelta(hours=1)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -104,9 +104,13 @@ def init(topology: TopologyConfig) -> Layout:
     group = None
     if world > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT, device_id=device if device.type == "cuda" else None)
-        drafters = dist.new_group(list(range(drafter_world)), timeout=COLLECTIVE_TIMEOUT)  # every rank takes part in creating it
+        timeout = timedelta(seconds=topology.collective_timeout_s)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        drafters = dist.new_group(list(range(drafter_world)), timeout=timeout)  # every rank takes part in creating it
         group = drafters if rank < drafter_world else None
+        # Every rank says where it runs: on several nodes, which host holds which role is the first thing to check.
+        role = "drafter" if rank < drafter_world else "target"
+        log.info("rank %d of %d (%s, local rank %d) on host %s", rank, world, role, local_rank, socket.gethostname())
     return Layout(
         device=device,
         kind=topology.kind,
@@ -119,10 +123,11 @@ def init(topology: TopologyConfig) -> Layout:
     )
 
 
-def join(device: str) -> Layout:
-    """Join however many processes torchrun started (one, without torchrun), each on its own device: for a stage
-    whose result does not depend on the number of processes, such as data regeneration."""
-    return init(TopologyConfig(device=device, nproc_per_node=int(os.environ.get("WORLD_SIZE", "1"))))
+def join(topology: TopologyConfig) -> Layout:
+    """Join however many processes torchrun started (one, without torchrun), each on the topology's kind of device:
+    for a stage whose result does not depend on the number of processes, such as data regeneration."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    return init(TopologyConfig(device=topology.device, nproc_per_node=launched, collective_timeout_s=topology.collective_timeout_s))
 
 
 def shutdown(layout: Layout) -> None:

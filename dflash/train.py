@@ -105,7 +105,7 @@ def validation_due(previous: int, done: int, every: int, total: int) -> bool:
 
 
 # Settings that change what is logged or how often state is saved, never what is trained: a run resumes across them.
-OBSERVATION_KEYS = {"train": ("log_every", "validate_every", "checkpoint_every"), "tracking": None}
+OBSERVATION_KEYS = {"train": ("log_every", "validate_every", "checkpoint_every"), "topology": ("collective_timeout_s",), "tracking": None}
 
 
 def resumable_settings(run_config: dict) -> dict:

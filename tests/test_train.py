@@ -146,8 +146,18 @@ def test_a_checkpoint_belongs_to_what_is_trained_not_to_how_it_is_logged():
     from dflash.config import config_hash
     from dflash.train import resumable_settings
 
-    run = {"train": {"lr": 1e-3, "log_every": 10, "validate_every": 100, "checkpoint_every": 200}, "tracking": {"wandb_mode": "offline"}, "seed": 0}
-    observed = {"train": {"lr": 1e-3, "log_every": 5, "validate_every": 50, "checkpoint_every": 20}, "tracking": {"wandb_mode": "disabled"}, "seed": 0}
-    assert resumable_settings(run) == {"train": {"lr": 1e-3}, "seed": 0}
+    run = {
+        "train": {"lr": 1e-3, "log_every": 10, "validate_every": 100, "checkpoint_every": 200},
+        "topology": {"nnodes": 2, "collective_timeout_s": 3600},
+        "tracking": {"wandb_mode": "offline"},
+        "seed": 0,
+    }
+    observed = {
+        "train": {"lr": 1e-3, "log_every": 5, "validate_every": 50, "checkpoint_every": 20},
+        "topology": {"nnodes": 2, "collective_timeout_s": 60},
+        "tracking": {"wandb_mode": "disabled"},
+        "seed": 0,
+    }
+    assert resumable_settings(run) == {"train": {"lr": 1e-3}, "topology": {"nnodes": 2}, "seed": 0}
     assert config_hash(resumable_settings(run)) == config_hash(resumable_settings(observed))
     assert config_hash(resumable_settings(run)) != config_hash(resumable_settings(run | {"train": {"lr": 2e-3}}))

@@ -483,6 +483,8 @@ DOWNSTREAM_OF_TRAIN = {"train", "evaluate", "report", "all"}
         (lambda c: _set(c, "data.generation.max_new_tokens", 12), {"prepare_data", "warmup_cache"} | DOWNSTREAM_OF_TRAIN),
         # How requests reach servers changes no response: nothing reruns.
         (lambda c: _set(_set(c, "data.generation.concurrency", 3), "data.generation.timeout", 30.0), set()),
+        # How long ranks wait for each other changes nothing they compute.
+        (lambda c: _set(c, "topology.collective_timeout_s", 120), set()),
         (lambda c: _set(c, "preflight.repro_fx_race.trials", 2), {"repro_fx_race"} | DOWNSTREAM_OF_TRAIN),
         (lambda c: _set(c, "target.dtype", "bfloat16"), {"prepare_target", "prepare_data", "warmup_cache"} | DOWNSTREAM_OF_TRAIN),
     ],
@@ -497,6 +499,7 @@ DOWNSTREAM_OF_TRAIN = {"train", "evaluate", "report", "all"}
         "drafter-layers",
         "data-generation",
         "data-transport",
+        "collective-timeout",
         "preflight-race",
         "target-dtype",
     ],
@@ -574,6 +577,23 @@ def test_a_code_change_reruns_the_jobs_that_run_it(e2e, module, expected):
         path.write_text(text)
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert jobs(result) == expected, readable(result.output, 120)
+
+
+@pytest.mark.slow
+def test_a_cluster_job_runs_its_own_rule_only(e2e):
+    """A SLURM job's own Snakemake (``--target-jobs <its job> --allowed-rules <its rule>``) runs that job alone, even
+    where an upstream job looks outdated to it (here prepare_data, after an edit of the code it runs): never the
+    upstream job inside the job's allocation, where it fails and Snakemake deletes the upstream job's outputs."""
+    path = e2e["workdir"] / "dflash" / "data.py"
+    text, stat = path.read_text(), path.stat()
+    try:
+        path.write_text(text + "\n# an edit\n")
+        args = ["-n", "--target-jobs", "warmup_cache:", "--allowed-rules", "warmup_cache", "--force"]
+        result = run_snakemake(e2e["workdir"], e2e["env"], *args, timeout=300)
+    finally:
+        path.write_text(text)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert jobs(result) == {"warmup_cache"}, readable(result.output, 120)
 
 
 def _planned_resources(result: subprocess.CompletedProcess) -> list[tuple[str, dict[str, str]]]:

@@ -69,6 +69,21 @@ def section(*keys, only=None, without=()):
     return canonical_json({name: value[name] for name in names})
 
 
+# The topology as what a job computes depends on it: how long ranks wait for each other (collective_timeout_s)
+# changes no result, so it reaches the jobs that wait (train, prepare_data) as a resource and reruns nothing.
+TOPOLOGY = section("topology", without=["collective_timeout_s"])
+
+
+def plain(files):
+    """Another rule's outputs (``rules.X.output``, or one of them) as plain paths, for an input.
+
+    Snakemake ties an input given as ``rules.X.output`` to X itself, past ``--allowed-rules``. A cluster job's own
+    Snakemake runs with ``--allowed-rules`` naming its own rule only, and would then run X as well, inside the job,
+    wherever X looks outdated to it, and delete X's outputs when that fails. A plain path reaches X through the
+    file, as any input does (tests/test_workflow.py checks that a job runs its own rule only)."""
+    return str(files) if isinstance(files, str) else [str(f) for f in files]
+
+
 def hub_copy(source):
     """The fetched copy of a source dict (``source``, ``split``), if it names a hub dataset."""
     name = hub_copy_name(PromptSource(source=source["source"], split=source["split"]))
@@ -185,6 +200,16 @@ def gpu_resources(visible, devices):
     return {"gpu": visible} | {f"gpu_dev{i}": int(i in devices) for i in range(LOCAL_GPUS)}
 
 
+def launch_resources(topology):
+    """The resources of a job whose processes ``launcher`` starts (train, prepare_data): its nodes, one task per node,
+    and on several nodes what the SLURM executor must know of a job that starts its own tasks (``mpi``: the job's
+    shell runs the launcher's srun itself, not inside ``srun -n1``; ``tasks_per_gpu: 0``: no ``--ntasks-per-gpu``,
+    torchrun starts one process per GPU). These follow from the launcher, so they live here, not in a site's profile,
+    whose ``set-resources`` a site replaces whole."""
+    several = {"mpi": "srun", "tasks_per_gpu": 0} if topology.nnodes > 1 else {}
+    return {"nodes": topology.nnodes, "tasks": topology.nnodes, "launcher": launcher(topology)} | several
+
+
 def launcher(topology):
     """The command that starts a stage's processes, one per device, for ``python -m dflash train`` or ``prepare-data``.
 
@@ -193,12 +218,8 @@ def launcher(topology):
     """
     if topology.nnodes * topology.nproc_per_node == 1:
         return "python"
-    torchrun = f"python -m torch.distributed.run --nnodes {topology.nnodes} --nproc-per-node {topology.nproc_per_node}"
     if topology.nnodes == 1:
-        return f"{torchrun} --standalone"
-    # Several nodes (SLURM): one torchrun per node, meeting at a rendezvous on the first host of the job.
-    return (
-        "srun --ntasks-per-node=1 --cpus-per-task=${SLURM_CPUS_PER_TASK:-1} --kill-on-bad-exit=1 "
-        f"{torchrun} --rdzv-backend=c10d --rdzv-id=$SLURM_JOB_ID "
-        "--rdzv-endpoint=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1):$((29500 + SLURM_JOB_ID % 1000))"
-    )
+        return f"python -m torch.distributed.run --nnodes 1 --nproc-per-node {topology.nproc_per_node} --standalone"
+    # Several nodes (SLURM): one torchrun per node, started by srun, meeting at a rendezvous on the job's first node;
+    # dflash.launch reads the job from SLURM and checks it against the topology before anything starts.
+    return f"python -m dflash.launch --nnodes {topology.nnodes} --nproc-per-node {topology.nproc_per_node}"

@@ -51,7 +51,7 @@ rule prepare_data:
         local_inputs(CFG.data.prompts.source, embedded=f"{workflow.basedir}/dflash/assets/chat_prompts.jsonl"),
         hub_copies(data_section(transport=False))[0],
         ancient(PREFLIGHT_FAST),
-        manifest=rules.prepare_target.output[0],
+        manifest=plain(rules.prepare_target.output[0]),
         **({"vllm_env": VLLM_ENV_MANIFEST} if VLLM_REGENERATES else {}),
     output:
         samples=f"{RESULTS}/data/train.parquet",
@@ -70,10 +70,8 @@ rule prepare_data:
         # One process per device of the topology regenerates its chunks: resources, not params, so that
         # the same data on another topology is not regenerated (it would be identical).
         **gpu_resources(CFG.topology.nnodes * NODE_GPUS, range(NODE_GPUS)),
-        nodes=CFG.topology.nnodes,
-        tasks=CFG.topology.nnodes,
-        launcher=launcher(CFG.topology),
-        topology=section("topology", only=["device"]),
+        **launch_resources(CFG.topology),
+        topology=section("topology", only=["device", "collective_timeout_s"]),
         # How requests reach the servers: a resource, so that changing it regenerates nothing and retrains nothing.
         transport=data_section(transport=True),
     conda:

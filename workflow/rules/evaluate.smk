@@ -7,11 +7,11 @@ rule evaluate:
         # Evaluation sets read from local prompt files.
         [f for s in CFG.eval.sets if s.source not in (HELDOUT, HUMANEVAL) for f in local_inputs(s.source)],
         hub_copies(section("eval"))[0],
-        manifest=rules.prepare_target.output[0],
-        drafter=rules.train.output.drafter,
-        heldout=rules.prepare_data.output.heldout,
+        manifest=plain(rules.prepare_target.output[0]),
+        drafter=plain(rules.train.output.drafter),
+        heldout=plain(rules.prepare_data.output.heldout),
         # The calibration of the drafter's confidence.
-        validation=rules.prepare_data.output.validation,
+        validation=plain(rules.prepare_data.output.validation),
     output:
         summary=report(
             f"{RESULTS}/eval/summary.csv",

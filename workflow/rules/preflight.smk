@@ -11,7 +11,7 @@ rule env_check:
         # It counts the node's GPUs against the topology: it must see them all.
         **gpu_resources(NODE_GPUS, range(NODE_GPUS)),
     params:
-        topology=section("topology"),
+        topology=TOPOLOGY,
         preflight=section("preflight", only=["min_free_disk_gb"]),
         # The directory every stage writes under: checked for being writable and for free disk.
         results_dir=lambda wc, output: Path(output[0]).parents[1],
@@ -27,14 +27,14 @@ rule env_check:
 rule smoke_imports:
     input:
         stage("smoke-imports"),
-        rules.env_check.output,
+        plain(rules.env_check.output),
     output:
         f"{RESULTS}/preflight/smoke_imports.json",
     resources:
         # A tiny drafter's step on each attention backend, on the first device.
         **gpu_resources(1, [0]),
     params:
-        topology=section("topology"),
+        topology=TOPOLOGY,
     conda:
         ENV
     log:
@@ -48,11 +48,11 @@ rule smoke_imports:
 rule repro_fx_race:
     input:
         stage("repro-fx-race"),
-        rules.smoke_imports.output,
+        plain(rules.smoke_imports.output),
     output:
         f"{RESULTS}/preflight/repro_fx_race.json",
     params:
-        topology=section("topology"),
+        topology=TOPOLOGY,
         preflight=section("preflight", only=["repro_fx_race"]),
     resources:
         # The race runs on the first device.
@@ -69,10 +69,10 @@ rule warmup_cache:
     input:
         # The warmup process runs the training step (dflash.step), not the training loop (dflash.train).
         stage("warmup-cache"),
-        rules.smoke_imports.output,
-        manifest=rules.prepare_target.output[0],
+        plain(rules.smoke_imports.output),
+        manifest=plain(rules.prepare_target.output[0]),
         # The samples decide the batch shapes a run takes, each of which the warmup compiles.
-        samples=rules.prepare_data.output.samples,
+        samples=plain(rules.prepare_data.output.samples),
     output:
         expand(f"{RESULTS}/preflight/warmup/{{device}}.json", device=WARMUP_DEVICES),
     params:
@@ -80,7 +80,7 @@ rule warmup_cache:
         drafter=section("drafter"),
         # Not the keys that only the training loop reads: the compiled step does not change with them.
         train=section("train", without=["epochs", "warmup_ratio", "lr", "weight_decay", "checkpoint_every", "log_every"]),
-        topology=section("topology"),
+        topology=TOPOLOGY,
         out_dir=lambda wc, output: Path(output[0]).parent,
         # The caches (one per device) outlive the job's declared outputs on purpose: training reads them.
         cache_root=f"{RESULTS}/cache/compile",

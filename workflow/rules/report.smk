@@ -4,12 +4,12 @@
 rule report:
     input:
         stage("report"),
-        metrics=rules.train.output.metrics,
-        train_summary=rules.train.output.summary,
-        card=rules.prepare_data.output.card,
-        eval_summary=rules.evaluate.output.summary,
-        per_set=rules.evaluate.output.per_set,
-        verify_cost=rules.evaluate.output.verify_cost,
+        metrics=plain(rules.train.output.metrics),
+        train_summary=plain(rules.train.output.summary),
+        card=plain(rules.prepare_data.output.card),
+        eval_summary=plain(rules.evaluate.output.summary),
+        per_set=plain(rules.evaluate.output.per_set),
+        verify_cost=plain(rules.evaluate.output.verify_cost),
     output:
         curves=report(f"{RESULTS}/report/training_curves.png", caption="../report/training_curves.rst", category="Training"),
         histogram=report(

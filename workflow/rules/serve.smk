@@ -24,10 +24,10 @@ rule serve_check:
         # vllm_runner.py runs in vLLM's environment, by its path.
         stage("serve-check", "vllm_runner"),
         hub_copies(section("eval", only=["block_size", "sets", "target_dtype"]))[0],
-        env_manifest=rules.serve_env.output.env_manifest,
-        manifest=rules.prepare_target.output[0],
-        drafter=rules.train.output.drafter,
-        heldout=rules.prepare_data.output.heldout,
+        env_manifest=plain(rules.serve_env.output.env_manifest),
+        manifest=plain(rules.prepare_target.output[0]),
+        drafter=plain(rules.train.output.drafter),
+        heldout=plain(rules.prepare_data.output.heldout),
     output:
         summary=f"{RESULTS}/serve/vllm.json",
         per_prompt=f"{RESULTS}/serve/vllm.csv",
@@ -53,9 +53,9 @@ rule serve_regeneration:
     input:
         stage("serve-regeneration"),
         hub_copies(section("eval", only=["sets"]))[0],
-        env_manifest=rules.serve_env.output.env_manifest,
-        manifest=rules.prepare_target.output[0],
-        heldout=rules.prepare_data.output.heldout,
+        env_manifest=plain(rules.serve_env.output.env_manifest),
+        manifest=plain(rules.prepare_target.output[0]),
+        heldout=plain(rules.prepare_data.output.heldout),
     output:
         f"{RESULTS}/serve/regeneration.json",
     params:
