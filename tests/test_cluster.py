@@ -4,8 +4,9 @@
 of its own with its own address and host name, sharing the filesystem as cluster nodes share NFS. The train job is
 submitted with ``sbatch`` from the controller's namespace, asking SLURM for what the repository's SLURM profile asks
 (with the cluster's site values, ``tests/cluster/profile``); inside it, Snakemake runs the train rule's own command on
-the job's first node, as the executor's job step does: the ``launcher`` (``dflash.launch``) starts one torchrun per
-node with srun, meeting at a c10d rendezvous at the first node's address, gloo between the nodes.
+the job's first node through the executor's own job step (``--executor slurm-jobstep``, which removes every
+``SLURM_*`` variable but the job's id): the ``launcher`` (``dflash.launch``) starts one torchrun per node with srun,
+meeting at a c10d rendezvous at the first node's address, gloo between the nodes.
 
 Each drafter trained on the cluster is compared with one process training on the same data and config, to the
 tolerance of tests/test_distributed.py. Needs root, network namespaces, and SLURM (installed from Debian's packages by
@@ -191,14 +192,16 @@ def profile_request(prepared: dict, *config: str) -> list[str]:
 
 
 class Job:
-    """``snakemake train`` submitted with sbatch from the controller's namespace: the job runs the train rule's own
-    command on its first node, as the executor's job step does."""
+    """``snakemake train`` submitted with sbatch from the controller's namespace: on the job's first node, Snakemake
+    runs the train rule's own command through the SLURM executor's job step (``--executor slurm-jobstep``), as a job
+    the profile submits does."""
 
     def __init__(self, prepared: dict, name: str, request: list[str], *config: str):
         self.workdir = prepared["workdir"]
         self.output = prepared["base"] / f"{name}.out"
         script = prepared["base"] / f"{name}.sh"
-        snakemake = [str(SNAKEMAKE), "--cores", "1", "--rerun-incomplete", "train", *CONFIGS, *config]
+        # The executor's own job step: it runs the rule's shell with every SLURM_* variable but the job's id removed.
+        snakemake = [str(SNAKEMAKE), "--executor", "slurm-jobstep", "--jobs", "1", "--rerun-incomplete", "train", *CONFIGS, *config]
         script.write_text(f"#!/bin/bash\ncd {self.workdir}\nexec {' '.join(map(_quote, snakemake))}\n")
         submitted = cluster_sh("submit", "sbatch", "--parsable", f"--output={self.output}", "--job-name", name, *request, str(script), env=prepared["env"])
         self.id = submitted.stdout.strip().split(";")[0]
