@@ -50,8 +50,8 @@ def median_ms(fn, repeats: int) -> float:
 
 def kernel_costs(target, context: int, max_width: int, repeats: int, rounds: int = 3) -> dict[str, list[float]]:
     """Milliseconds of the target's forward over k = 1..``max_width`` new tokens, per linear kernel (rounds interleaved)."""
+    from dflash.decoding.gate import measure_verify_cost
     from dflash.kernels import pack_linears
-    from dflash.policy import measure_verify_cost
 
     packed = copy.deepcopy(target)
     models = {"default": target}
@@ -81,7 +81,7 @@ def draft_kernels(drafter) -> dict:
 def validation_tau(target, drafters: dict, results: Path, block_size: int) -> dict[str, float]:
     """Per draft kernel: τ teacher-forced on the run's validation samples, every draft position verified."""
     from dflash.data import read_samples
-    from dflash.decode import draft_head
+    from dflash.decoding.drafter import draft_head
     from dflash.evaluate import calibrate
 
     validation = read_samples(results / "data" / "validation.parquet")
@@ -96,7 +96,7 @@ def draft_costs(target, drafters: dict, block_size: int, context: int, repeats: 
     """Milliseconds of one proposal of the run's drafter at ``block_size`` (the evaluation's), per draft kernel
     available here: right after a target verify, as decoding makes it, and timed alone (the drafter's weights
     still in cache from the proposal before); kernels interleaved in rounds, median over rounds."""
-    from dflash.decode import draft_head
+    from dflash.decoding.drafter import draft_head
     from dflash.evaluate import measure_draft_ms
 
     heads = {kernel: draft_head(target, model) for kernel, model in drafters.items()}

@@ -200,9 +200,10 @@ def regeneration(spec: dict) -> dict:
 
 def decode(spec: dict) -> dict:
     from dflash.config import DrafterConfig
-    from dflash.decode import PromptLookup, speculative_generate
+    from dflash.decoding.gate import measure_verify_cost
+    from dflash.decoding.generate import speculative_generate
+    from dflash.decoding.lookup import PromptLookup
     from dflash.model import DFlashConfig, DFlashDrafter
-    from dflash.policy import measure_verify_cost
 
     dev = device()
     target = random_target(spec["target"], torch.bfloat16 if dev.type == "cuda" else torch.float32)

@@ -94,8 +94,9 @@ def worker(spec: dict) -> None:
     from dflash import distributed
     from dflash.config import DrafterConfig, TopologyConfig, TrainConfig, parse_section
     from dflash.preflight.synthetic import synthetic_samples
+    from dflash.run import RunPaths, RunSettings
     from dflash.target import Target
-    from dflash.train import RunPaths, RunSettings, train_drafter
+    from dflash.train import train_drafter
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     preset = PRESETS[spec["device"]]

@@ -4,12 +4,12 @@ import importlib
 
 # Resolved on first use, so that importing one stage module (``dflash.target``, say) does not execute
 # the others: the workflow makes the package files a stage runs its inputs, and a change to
-# ``decode.py`` must rerun evaluation only.
+# ``decoding/generate.py`` must rerun evaluation only.
 _EXPORTS = {
     "DFlashConfig": "dflash.model",
     "DFlashDrafter": "dflash.model",
     "target_layer_ids": "dflash.model",
-    "speculative_generate": "dflash.decode",
+    "speculative_generate": "dflash.decoding.generate",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -17,9 +17,7 @@ import json
 import logging
 import statistics
 import time
-from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -29,21 +27,16 @@ from tqdm.auto import tqdm
 
 from dflash.config import HELDOUT, HUMANEVAL, EvalConfig, TrainConfig
 from dflash.data import Conversation, load_conversations, read_heldout
-from dflash.decode import (
-    DFlashProposer,
-    GatedProposer,
-    Generation,
-    PromptLookup,
-    PromptLookupProposer,
-    accepted_path,
-    draft_head,
-    speculative_generate,
-    token_depths,
-)
+from dflash.decoding.arms import Shared, decode_arms, evaluation_arms
+from dflash.decoding.calibration import Calibration
+from dflash.decoding.drafter import DFlashProposer, draft_head
+from dflash.decoding.gate import GatedProposer, PaidCost, VerifyCost, measure_verify_cost
+from dflash.decoding.lookup import PromptLookup
+from dflash.decoding.proposal import token_depths
+from dflash.decoding.verify import accepted_path
 from dflash.errors import InputError
 from dflash.kernels import draft_linears, pack_linears
 from dflash.model import DFlashDrafter
-from dflash.policy import Calibration, LookupConfidence, PaidCost, Throughput, VerifyCost, measure_verify_cost
 from dflash.target import Target
 
 SUMMARY_COLUMNS = [
@@ -122,66 +115,13 @@ class PromptResult:
     hybrid_drafter_calls: int  # ... on which the hybrid ran the drafter at all
 
 
-@dataclass
-class Arms:
-    """What each speculative arm decodes with: a fresh proposer per prompt (the drafter's cache is per request),
-    sharing what is learnt across prompts (prompt lookup's acceptance by match length, the verify cost as paid)."""
-
-    target: Target
-    drafter: DFlashDrafter
-    block_size: int
-    lookup: PromptLookup
-    cost: PaidCost  # every arm's verifies teach it; the gated arms decide with its table as it stands
-    calibration: Calibration
-    head: Callable[[torch.Tensor], torch.Tensor]  # the drafter's logits (``draft_head``), built once
-    draft_cost: float = 0.0  # the drafter's proposal, in target steps
-    gate: bool = True  # False: the drafter arm verifies its whole block every step
-    branches: int = 1  # with the gate: the drafter's most probable tokens per position the verify may try
-    confidence: LookupConfidence = field(default_factory=LookupConfidence)
-    throughput: dict[str, Throughput] = field(default_factory=lambda: defaultdict(Throughput))  # per gated arm: its rate so far
-
-    @property
-    def width(self) -> int:
-        """The widest verify of the drafter's arms: its whole tree, with the gate."""
-        return 1 + (self.block_size - 1) * self.branches if self.gate else self.block_size
-
-    def _drafter(self) -> DFlashProposer:
-        return DFlashProposer(self.target, self.drafter, self.calibration, self.draft_cost, self.head, self.branches, depth=self.block_size - 1)
-
-    def dflash(self):
-        return GatedProposer([self._drafter()], self.cost.table(), self.throughput["dflash"]) if self.gate else self.drafter
-
-    def hybrid(self) -> GatedProposer:
-        return GatedProposer([self._drafter(), PromptLookupProposer(self.lookup, self.confidence)], self.cost.table(), self.throughput["hybrid"])
-
-    def decode(self, ids: torch.Tensor, max_new_tokens: int) -> dict[str, Generation]:
-        """One prompt decoded by every arm in turn, each built after the last has taught the cost what it paid:
-        the autoregressive baseline (whose median step the others' verifies are timed against), the drafter, prompt
-        lookup, the hybrid."""
-        generations: dict[str, Generation] = {}
-        step = None
-        for name, arm, width in (
-            ("baseline", lambda: None, 1),
-            ("dflash", self.dflash, self.width),
-            ("lookup", lambda: self.lookup, self.lookup.block_size),
-            ("hybrid", self.hybrid, max(self.width, self.lookup.block_size)),
-        ):
-            generation = generations[name] = speculative_generate(self.target, arm(), ids, max_new_tokens, block_size=width)
-            seconds = generation.stats.verify_seconds
-            if name == "baseline":
-                step = statistics.median(seconds) if seconds else None  # None: the prefill answered, in every arm
-            if step:
-                self.cost.record(generation.stats.verified, seconds, step)
-        return generations
-
-
-def evaluate_set(name: str, conversations: list[Conversation], arms: Arms, max_new_tokens: int) -> list[PromptResult]:
+def evaluate_set(name: str, conversations: list[Conversation], shared: Shared, gate: bool, max_new_tokens: int) -> list[PromptResult]:
     """Each prompt decoded by every arm in turn: the autoregressive baseline, the drafter, prompt lookup, the hybrid."""
     rows = []
     for conversation in tqdm(conversations, desc=f"evaluating {name}", unit="prompt"):
-        ids = torch.tensor([arms.target.chat_prompt_ids(conversation.as_messages())])
+        ids = torch.tensor([shared.target.chat_prompt_ids(conversation.as_messages())])
         # Interleaved per prompt, so that load from other processes hits every arm alike.
-        decoded = arms.decode(ids, max_new_tokens)
+        decoded = decode_arms(evaluation_arms(gate), shared, ids, max_new_tokens)
         baseline, drafted, looked_up, hybrid = (decoded[k] for k in ("baseline", "dflash", "lookup", "hybrid"))
         stats = drafted.stats
         rows.append(
@@ -200,7 +140,7 @@ def evaluate_set(name: str, conversations: list[Conversation], arms: Arms, max_n
                 acceptance_lengths=" ".join(map(str, stats.acceptance_lengths)),
                 verified_lengths=" ".join(map(str, stats.verified)),
                 # positions 1..B-1: a tree's verify is wider than the drafter's block, not deeper
-                per_position_acceptance=" ".join(f"{a:.4f}" for a in stats.per_position_acceptance[: arms.block_size - 1]),
+                per_position_acceptance=" ".join(f"{a:.4f}" for a in stats.per_position_acceptance[: shared.block_size - 1]),
                 predictions=" ".join(f"{k}:{p:.4f}:{int(a)}" for k, p, a in stats.predictions),
                 pld_tau=looked_up.stats.tau,
                 tpot_pld_ms=looked_up.stats.time_per_output_token * 1e3,
@@ -352,7 +292,7 @@ def run_evaluation(
     calibration, outcomes = calibrate(target, drafter, validation, block_size, head, cfg.branches)
     calibration.save(out_dir / "calibration.json")
     predicted = predicted_tau(outcomes, calibration, cost, draft_cost, cfg.branches)
-    arms = Arms(
+    shared = Shared(
         target=target,
         drafter=drafter,
         block_size=block_size,
@@ -361,7 +301,6 @@ def run_evaluation(
         calibration=calibration,
         head=head,
         draft_cost=draft_cost,
-        gate=cfg.gate,
         branches=cfg.branches,
     )
     summary = []
@@ -369,13 +308,13 @@ def run_evaluation(
         conversations = eval_conversations(eval_set.source, eval_set.split, eval_set.limit, heldout_path)
         if not conversations:
             raise InputError(f"eval.sets {eval_set.name!r}: source {eval_set.source!r} gave no prompts")
-        rows = pd.DataFrame(evaluate_set(eval_set.name, conversations, arms, cfg.max_new_tokens))
+        rows = pd.DataFrame(evaluate_set(eval_set.name, conversations, shared, cfg.gate, cfg.max_new_tokens))
         rows.to_csv(out_dir / f"{eval_set.name}.csv", index=False)
         summary.append(summarize(eval_set.name, rows, block_size, target, predicted))
-    paid, learnt = arms.cost.paid_table(), arms.cost.table()
+    paid, learnt = shared.cost.paid_table(), shared.cost.table()
     log.info("verify cost as decoding paid it: %s", " ".join(f"{k}:{d['relative']:.2f}" for k, d in paid.items()))
     log.info("verify cost the gate ended with: %s", " ".join(f"{c:.2f}" for c in learnt.relative))
-    log.info("the gated arms' rates (tokens per plain step's cost): %s", ", ".join(f"{arm} {t.rate:.3f}" for arm, t in arms.throughput.items()))
+    log.info("the gated arms' rates (tokens per plain step's cost): %s", ", ".join(f"{arm} {t.rate:.3f}" for arm, t in shared.throughput.items()))
     kernels = {"linear_kernel": "packed" if packed else "default", "draft_kernel": drafting}
     tables = {"decoded": paid, "learnt": list(learnt.relative)}
     (out_dir / "verify_cost.json").write_text(json.dumps(cost.to_dict() | {"draft": draft_cost} | kernels | tables, indent=2) + "\n")

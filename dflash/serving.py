@@ -37,7 +37,8 @@ import pandas as pd
 import torch
 
 from dflash.config import EvalConfig, GenerationConfig, ServeConfig, ServerConfig
-from dflash.decode import DecodeStats, speculative_generate
+from dflash.decoding.generate import speculative_generate
+from dflash.decoding.stats import DecodeStats
 from dflash.errors import InputError
 from dflash.evaluate import eval_conversations
 from dflash.io import atomic_write_text

@@ -18,11 +18,11 @@ import torch.fx.experimental._config as fx_config
 from dflash.attention import build_training_mask
 from dflash.batch import Batch, idle_batch, make_batch, rank_slice
 from dflash.config import DrafterConfig, TrainConfig
+from dflash.decoding.calibration import acceptance_lengths
 from dflash.distributed import Layout, all_reduce_sum
 from dflash.kernels import projection
 from dflash.model import DFlashConfig, DFlashDrafter
 from dflash.objective import FrozenHeadCrossEntropy, position_accuracy
-from dflash.policy import acceptance_lengths
 from dflash.target import Target, native_bf16
 from dflash.vocab import DraftVocab
 

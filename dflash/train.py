@@ -2,22 +2,20 @@
 
 One process per device; ``dflash.distributed`` holds everything about ranks,
 so with one process this is a plain single-device loop. The pieces live in
-their own modules: the sample order and batches (``batch``), where hidden
-states come from (``features``), one optimizer step (``step``), checkpoints
-(``checkpoint``), the compile cache (``compile_cache``) and the preflight gate
-(``preflight.gate``).
+their own modules: what a run is (``run``), the sample order and batches
+(``batch``), where hidden states come from (``features``), one optimizer step
+(``step``), what the run logs (``metrics``), checkpoints (``checkpoint``), the
+compile cache (``compile_cache``) and the preflight gate (``preflight.gate``).
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import logging
 import math
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -28,95 +26,16 @@ from dflash import distributed
 from dflash.batch import Schedule, idle_batch, make_batch, rank_slice, step_shapes
 from dflash.checkpoint import Progress, load_checkpoint, resume_point, save_checkpoint, save_drafter
 from dflash.compile_cache import compile_cache_hits, log_compile_cache_hits, use_warm_cache
-from dflash.config import DrafterConfig, TrainConfig
-from dflash.distributed import Layout, all_reduce_sum
+from dflash.distributed import Layout
 from dflash.features import CachedFeatures, HiddenStateCache, Meter, OnlineFeatures, total_rate
-from dflash.model import DFlashConfig
-from dflash.step import ValidationData, compile_drafter, drafter_config_for, normalise_globally, train_step, training_drafter, validation_metrics
+from dflash.metrics import MetricsLog, TokenRate, Validator
+from dflash.run import RunContext, RunPaths, RunSettings, TrainResult, resumable_settings
+from dflash.step import ValidationData, compile_drafter, drafter_config_for, normalise_globally, train_step, training_drafter
 from dflash.target import Target, preparation_dtype
 from dflash.transport import ReceivedFeatures, serve_features
 from dflash.vocab import DraftVocab
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    steps: int
-    resumed_from: int
-    final_loss: float
-    seconds: float
-    tokens_per_second: float  # training: sample tokens (no padding) of the global batches per second, after the first step
-    first_step_seconds: float  # the first step alone: compiling (or loading compiled graphs) and warming up
-    target_tokens_per_second: float  # hidden states: tokens per second of target forward, summed over the ranks that run it
-    world: int  # processes
-    threads: int  # intra-op threads per process
-    compile_cache: dict  # hits and misses of the whole run: a miss is a graph the warmup did not compile
-    draft_vocab: int | None = None  # tokens the drafter drafts (None: the target's whole vocabulary)
-    draft_vocab_coverage: float = 1.0  # the share of the training responses' tokens it holds
-    validation_accuracy: list[float] | None = None  # per block position 1..B-1 on the validation samples, at the end
-    validation_tau: float | None = None  # teacher-forced acceptance length on them, at the end
-    peak_memory_gb: float | None = None  # CUDA: the most this rank's device held
-
-
-@dataclass(frozen=True)
-class RunPaths:
-    """Where a run writes: the hidden-state caches, its checkpoints (one run's), the drafter, the metrics CSV."""
-
-    hidden_cache: Path
-    checkpoints: Path
-    drafter: Path
-    metrics: Path
-
-
-@dataclass(frozen=True)
-class RunSettings:
-    """What a run trains: the drafter's shape, the training settings, the seed, and (for benchmarks) a step limit."""
-
-    drafter: DrafterConfig
-    train: TrainConfig
-    seed: int = 0
-    max_steps: int | None = None
-
-
-@dataclass(frozen=True)
-class RunContext:
-    """What a drafter rank's loop reads: the run's inputs and settings, where it writes, its place in the topology."""
-
-    target: Target
-    samples: pd.DataFrame
-    config: DFlashConfig
-    cfg: TrainConfig
-    schedule: Schedule
-    layout: Layout
-    paths: RunPaths
-    vocab: DraftVocab | None = None
-
-    def head(self) -> torch.Tensor:
-        """The frozen LM head rows the drafter projects onto."""
-        weight = self.target.lm_head.weight
-        return weight if self.vocab is None else self.vocab.head(weight)
-
-
-def validation_due(previous: int, done: int, every: int, total: int) -> bool:
-    """Whether the metrics row of step ``done`` (the last row was at ``previous``) carries validation accuracy:
-    the first row at or after each multiple of ``every``, and the last row of the run."""
-    return done // every > previous // every or done == total
-
-
-# Settings that change what is logged or how often state is saved, never what is trained: a run resumes across them.
-OBSERVATION_KEYS = {"train": ("log_every", "validate_every", "checkpoint_every"), "topology": ("collective_timeout_s",), "tracking": None}
-
-
-def resumable_settings(run_config: dict) -> dict:
-    """The settings a checkpoint belongs to: the run's config without ``OBSERVATION_KEYS``."""
-    kept = {}
-    for section, value in run_config.items():
-        dropped = OBSERVATION_KEYS.get(section, ())
-        if dropped is None:
-            continue
-        kept[section] = {k: v for k, v in value.items() if k not in dropped} if isinstance(value, dict) else value
-    return kept
 
 
 def lr_factor(step: int, total_steps: int, warmup_ratio: float) -> float:
@@ -126,100 +45,6 @@ def lr_factor(step: int, total_steps: int, warmup_ratio: float) -> float:
         return (step + 1) / warmup
     progress = (step - warmup) / max(1, total_steps - warmup)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-def write_metrics_row(path: Path, row: dict) -> None:
-    new = not path.exists()
-    with open(path, "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(row))
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
-
-
-# -- the parts of a drafter rank's loop --------------------------------------------------------
-
-
-class Validator:
-    """Per-position accuracy and teacher-forced τ of the drafter on the validation samples, on the metric rows due."""
-
-    def __init__(self, run: RunContext, data: ValidationData):
-        self.run, self.data = run, data
-
-    def due(self, previous: int, done: int) -> bool:
-        return validation_due(previous, done, self.run.cfg.validate_every, self.run.schedule.total)
-
-    def __call__(self, drafter) -> tuple[list[float], float]:
-        run = self.run
-        return validation_metrics(drafter, run.target, run.head(), self.data, run.config, run.cfg, run.layout)
-
-
-class MetricsLog:
-    """The run's metric rows: the accuracy counts of the logging window, each row's validation, the CSV and the
-    tracker (rank 0). A resumed run starts from the rows and window of its checkpoint."""
-
-    def __init__(self, run: RunContext, progress: Progress, validator: Validator | None = None, tracker=None):
-        self.run, self.progress, self.validator, self.tracker = run, progress, validator, tracker
-        if run.layout.is_main:
-            run.paths.metrics.parent.mkdir(parents=True, exist_ok=True)
-            run.paths.metrics.unlink(missing_ok=True)
-            for row in progress.rows:
-                write_metrics_row(run.paths.metrics, row)
-
-    def count(self, loss: torch.Tensor, correct: torch.Tensor, counted: torch.Tensor) -> float:
-        """One step's loss and accuracy counts, summed over the drafter ranks (one all-reduce); the global loss."""
-        layout, block = self.run.layout, self.run.config.block_size
-        # Each rank's loss is its share of the global loss, times the ranks.
-        stats = all_reduce_sum(torch.cat([loss.detach().reshape(1).double(), correct.double(), counted.double()]), layout).cpu()
-        self.progress.correct += stats[1 : 1 + block]
-        self.progress.counted += stats[1 + block :]
-        return float(stats[0]) / layout.drafter_world
-
-    def log(self, done: int, drafter, values: dict) -> None:
-        """The row of step ``done``: ``values``, the window's accuracy per position, and validation where due."""
-        progress, block = self.progress, self.run.config.block_size
-        accuracy = (progress.correct / progress.counted.clamp(min=1)).tolist()
-        row = {"step": done} | values | {f"acc_{k}": accuracy[k] for k in range(1, block)}
-        previous = progress.rows[-1]["step"] if progress.rows else 0
-        validated, tau = [float("nan")] * block, float("nan")
-        if self.validator is not None and self.validator.due(previous, done):
-            validated, tau = self.validator(drafter)
-        row |= {f"val_acc_{k}": validated[k] for k in range(1, block)} | {"val_tau": tau}
-        progress.rows.append(row)
-        progress.correct.zero_()
-        progress.counted.zero_()
-        if self.run.layout.is_main:
-            write_metrics_row(self.run.paths.metrics, row)
-            if self.tracker is not None:
-                self.tracker.log(row, step=done)
-
-    def final_validation(self) -> tuple[list[float] | None, float | None]:
-        if self.validator is None or not self.progress.rows:
-            return None, None
-        last = self.progress.rows[-1]
-        return [last[f"val_acc_{k}"] for k in range(1, self.run.config.block_size)], last["val_tau"]
-
-
-@dataclass
-class Throughput:
-    """Sample tokens per second of the global batches, measured from the end of the first step (which compiles)."""
-
-    start: float = field(default_factory=time.perf_counter)
-    tokens: int = 0
-    first_step_seconds: float = 0.0
-    steady: tuple[float, int] | None = None  # (time, tokens) at the end of the first step
-
-    def step(self, tokens: int) -> float:
-        """Count a step's tokens; the running rate."""
-        self.tokens += tokens
-        elapsed = time.perf_counter() - self.start
-        if self.steady is None:
-            self.first_step_seconds, self.steady = elapsed, (time.perf_counter(), self.tokens)
-        return self.tokens / elapsed
-
-    def steady_rate(self, end: float) -> float:
-        tokens = self.tokens - self.steady[1] if self.steady else 0
-        return tokens / (end - self.steady[0]) if tokens else self.tokens / max(end - self.start, 1e-9)
 
 
 class Batches:
@@ -335,7 +160,7 @@ def _train(run: RunContext, batches: Batches, first: int, checkpoint: Path | Non
     if checkpoint is not None:
         progress = load_checkpoint(checkpoint, drafter, optimizer, scheduler, layout)
         log.info("resuming from %s (step %d of %d)", checkpoint, first, schedule.total)
-    metrics, throughput, head, loss = MetricsLog(run, progress, validator, tracker), Throughput(), run.head(), float("nan")
+    metrics, throughput, head, loss = MetricsLog(run, progress, validator, tracker), TokenRate(), run.head(), float("nan")
     with tqdm(total=schedule.total, initial=first, desc="training drafter", unit="step", disable=not layout.is_main) as bar:
         for step in range(first, schedule.total):
             batch, tokens = batches(step)

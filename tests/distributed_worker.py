@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+import dflash.run
 import dflash.train
 from dflash import distributed
 from dflash.config import DrafterConfig, TopologyConfig, TrainConfig, parse_section
@@ -61,10 +62,8 @@ def run(spec: dict) -> None:
 
     dflash.train.train_step = recording_step
     try:
-        settings = dflash.train.RunSettings(
-            parse_section(DrafterConfig, spec["drafter"], "drafter"), parse_section(TrainConfig, spec["train"], "train"), seed=0
-        )
-        paths = dflash.train.RunPaths(
+        settings = dflash.run.RunSettings(parse_section(DrafterConfig, spec["drafter"], "drafter"), parse_section(TrainConfig, spec["train"], "train"), seed=0)
+        paths = dflash.run.RunPaths(
             hidden_cache=out / "cache" / "hidden-states", checkpoints=out / "cache" / "checkpoints", drafter=out / "drafter", metrics=out / "metrics.csv"
         )
         result = dflash.train.train_drafter(target, samples, settings, paths, layout=layout)

@@ -6,7 +6,14 @@ import pytest
 import torch
 from conftest import EOS, MASK, build_drafter, build_target, llama_config, qwen3_config, random_prompt
 
-from dflash.decode import DFlashProposer, PromptLookup, PromptLookupProposer, Proposal, accepted_path, speculative_generate, token_depths, tree_mask
+from dflash.decoding.arms import Arm, Shared, decode_arms, register_proposer
+from dflash.decoding.calibration import Calibration
+from dflash.decoding.drafter import DFlashProposer
+from dflash.decoding.gate import PaidCost, VerifyCost
+from dflash.decoding.generate import speculative_generate
+from dflash.decoding.lookup import PromptLookup, PromptLookupProposer
+from dflash.decoding.proposal import Proposal, token_depths
+from dflash.decoding.verify import accepted_path, tree_mask
 from dflash.vocab import DraftVocab
 
 _GREEDY_MEMO: dict = {}
@@ -314,3 +321,40 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(qwen3_targ
         gen = speculative_generate(qwen3_target, drafter, ids, MAX_NEW, block_size=8)
         assert gen.tokens.tolist() == greedy(qwen3_target, ids, MAX_NEW)
     assert proposed and all(token % 3 == 0 for proposal in proposed for token in proposal.tokens)
+
+
+class RepeatLast:
+    """A toy proposer: drafts the last token again, at every position, half sure of each."""
+
+    name = "repeat"
+    needs_hidden_states = False
+    draft_cost = 0.0
+
+    def observe(self, hidden_states, count: int, start: int) -> None:
+        pass
+
+    def propose(self, tokens: list[int], count: int) -> Proposal:
+        return Proposal([tokens[-1]] * count, accept=[0.5] * count, source=self.name)
+
+    def ceiling(self, count: int) -> list[float] | None:
+        return None
+
+    def feedback(self, proposal: Proposal, path: list[int]) -> None:
+        pass
+
+
+def test_a_proposer_added_through_the_registry_decodes_losslessly_in_an_arm_of_its_own():
+    """One line registers a new proposer; an arm names it, gated and ungated, and decodes the baseline's tokens."""
+    register_proposer("repeat", lambda shared, gated: (RepeatLast(), 5))
+    target = build_target(qwen3_config(eos_token_id=None))  # decodes to the token limit
+    shared = Shared(
+        target, build_drafter(target.config), 8, PromptLookup(3), PaidCost(VerifyCost((1.0, 1.0, 1.0, 1.0, 1.0))), Calibration([], [], []), head=None
+    )
+    arms = [Arm("baseline"), Arm("repeat", ("repeat",), gated=False), Arm("repeat-gated", ("repeat",))]
+    decoded = decode_arms(arms, shared, random_prompt(10, 3), 24)
+    assert decoded["repeat"].tokens.tolist() == decoded["repeat-gated"].tokens.tolist() == decoded["baseline"].tokens.tolist()
+    assert decoded["repeat"].stats.verified[:10] == [4] * 10  # ungated: its whole proposal, every step (but near the end)
+    assert sum(decoded["repeat"].stats.acceptance_lengths) > len(decoded["repeat"].stats.acceptance_lengths)  # some accepted
+    assert decoded["repeat-gated"].stats.choices["repeat"] > 0  # a free verify of half-sure tokens pays
+    with pytest.raises(ValueError, match="registered already"):
+        register_proposer("repeat", lambda shared, gated: (RepeatLast(), 5))

@@ -20,9 +20,11 @@ import torch
 from conftest import build_drafter
 from tiny_chat_target import build_tiny_inputs
 
-from dflash.decode import PromptLookup, draft_head
-from dflash.evaluate import Arms
-from dflash.policy import Calibration, PaidCost, VerifyCost
+from dflash.decoding.arms import Shared, decode_arms, evaluation_arms
+from dflash.decoding.calibration import Calibration
+from dflash.decoding.drafter import draft_head
+from dflash.decoding.gate import PaidCost, VerifyCost
+from dflash.decoding.lookup import PromptLookup
 from dflash.target import Target
 
 RECORD = Path(__file__).parent / "data" / "decoding_record.json"
@@ -48,7 +50,7 @@ def decode_every_arm() -> dict:
     calibration.runner_up = [graded(0.2, 0.5)]
     record = {}
     for name, setting in SETTINGS.items():
-        arms = Arms(
+        shared = Shared(
             target=target,
             drafter=drafter,
             block_size=BLOCK_SIZE,
@@ -57,12 +59,12 @@ def decode_every_arm() -> dict:
             calibration=calibration,
             head=draft_head(target, drafter),
             draft_cost=0.05,
-            **setting,
+            branches=setting["branches"],
         )
         record[name] = []
         for messages in prompts:
             ids = torch.tensor([target.chat_prompt_ids(messages)])
-            decoded = arms.decode(ids, MAX_NEW_TOKENS)
+            decoded = decode_arms(evaluation_arms(setting["gate"]), shared, ids, MAX_NEW_TOKENS)
             record[name].append({arm: outcome(generation) for arm, generation in decoded.items()})
     return record
 

@@ -28,7 +28,7 @@ from conftest import EOS, MASK, build_drafter, build_target, qwen3_config, rando
 from safetensors.torch import load_file, save_file
 
 from dflash.acquire import cache_root
-from dflash.decode import speculative_generate
+from dflash.decoding.generate import speculative_generate
 from dflash.model import DFlashDrafter, target_layer_ids
 
 AUTHORS_REQUIREMENT = "dflash==0.1.0"

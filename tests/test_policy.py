@@ -11,10 +11,14 @@ from conftest import build_drafter, build_target, qwen3_config, random_prompt
 from test_decode import constant_drafter, constant_target, greedy
 from transformers import DynamicCache
 
-from dflash.decode import DFlashProposer, GatedProposer, PromptLookup, PromptLookupProposer, Proposal, draft_head, merge, speculative_generate
+from dflash.decoding.calibration import Calibration, acceptance_lengths
+from dflash.decoding.drafter import DFlashProposer, draft_head
+from dflash.decoding.gate import GatedProposer, PaidCost, Throughput, VerifyCost
+from dflash.decoding.generate import speculative_generate
+from dflash.decoding.lookup import LookupConfidence, PromptLookup, PromptLookupProposer
+from dflash.decoding.proposal import Proposal, merge, path_values
 from dflash.errors import PreflightError
 from dflash.kernels import PackedLinear, draft_linears, int8_kernel_available, kernel_of, pack_linears, packed_kernel_available, resolve_draft_kernel
-from dflash.policy import Calibration, LookupConfidence, PaidCost, Throughput, VerifyCost, acceptance_lengths, path_values
 from dflash.step import BlockOutcomes
 from dflash.target import native_bf16
 
@@ -492,16 +496,16 @@ def test_the_gate_decides_with_the_cost_decoding_paid():
 def test_the_evaluation_teaches_the_cost_every_arms_verifies_and_stays_lossless():
     """One prompt through every arm: each verify of each arm recorded against the baseline's median step (so the
     baseline's own median is one step), and every arm's output the baseline's."""
-    from dflash.evaluate import Arms
+    from dflash.decoding.arms import Shared, decode_arms, evaluation_arms
 
     target = build_target(qwen3_config(eos_token_id=None), seed=1)  # decodes to the token limit
     drafter = build_drafter(target.config, seed=3, init_std=0.2, block_size=4)
     cost = PaidCost(VerifyCost((1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6)), prior_weight=4)
     calibration = _fixed(0.5)
     calibration.runner_up = [_fixed(0.2)]
-    arms = Arms(target, drafter, 4, PromptLookup(3), cost, calibration, head=draft_head(target, drafter), branches=2)
+    shared = Shared(target, drafter, 4, PromptLookup(3), cost, calibration, head=draft_head(target, drafter), branches=2)
     ids = random_prompt(12, 7)
-    generations = arms.decode(ids, 16)
+    generations = decode_arms(evaluation_arms(gate=True), shared, ids, 16)
     assert list(generations) == ["baseline", "dflash", "lookup", "hybrid"]
     assert all(g.tokens.tolist() == generations["baseline"].tokens.tolist() for g in generations.values())
     assert sum(d["verifies"] for d in cost.paid_table().values()) == sum(len(g.stats.verified) for g in generations.values())
@@ -515,9 +519,9 @@ def test_the_evaluation_measures_costs_and_calibrates_on_validation_samples(qwen
     calibration fitted on validation samples (the oracle-free drafter: some positions counted, rates in [0, 1])."""
     import pandas as pd
 
-    from dflash.decode import draft_head
+    from dflash.decoding.drafter import draft_head
+    from dflash.decoding.gate import measure_verify_cost
     from dflash.evaluate import calibrate, measure_draft_ms, predicted_tau
-    from dflash.policy import measure_verify_cost
 
     drafter = build_drafter(qwen3_target.config, seed=3, init_std=0.2, block_size=4)
     cost = measure_verify_cost(qwen3_target, 4, context=32, repeats=2)

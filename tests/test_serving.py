@@ -20,7 +20,7 @@ from conftest import MASK, build_drafter, build_target, qwen3_config, random_pro
 from test_decode import CONSTANT, constant_drafter, constant_target
 
 from dflash.config import ServeConfig
-from dflash.decode import speculative_generate
+from dflash.decoding.generate import speculative_generate
 from dflash.model import DFlashDrafter
 from dflash.serving import RUNNER, acceptance, differences, drafter_over_full_vocab, first_difference, run_vllm, vllm_acceptance
 from dflash.vocab import FILE_NAME as VOCAB_FILE

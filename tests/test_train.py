@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from dflash.batch import epoch_order, global_batches, rank_slice
+from dflash.metrics import validation_due
 from dflash.objective import FrozenHeadCrossEntropy, decayed_loss, sample_positions
-from dflash.train import lr_factor, validation_due
+from dflash.train import lr_factor
 
 
 def test_frozen_head_cross_entropy_matches_autograd_of_the_decayed_loss():
@@ -144,7 +145,7 @@ def test_the_frozen_head_is_never_copied():
 
 def test_a_checkpoint_belongs_to_what_is_trained_not_to_how_it_is_logged():
     from dflash.config import config_hash
-    from dflash.train import resumable_settings
+    from dflash.run import resumable_settings
 
     run = {
         "train": {"lr": 1e-3, "log_every": 10, "validate_every": 100, "checkpoint_every": 200},

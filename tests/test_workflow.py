@@ -554,7 +554,7 @@ def test_bad_command_line_config_is_named_before_any_job(e2e, overrides, named):
     "module, expected",
     [
         ("report", {"report", "all"}),
-        ("decode", {"evaluate", "report", "all"}),
+        ("decoding/generate", {"evaluate", "report", "all"}),
         ("tracking", DOWNSTREAM_OF_TRAIN),
         # Training state on disk and where hidden states come from: the training loop only, never the preflight stages.
         ("checkpoint", DOWNSTREAM_OF_TRAIN),
@@ -564,7 +564,7 @@ def test_bad_command_line_config_is_named_before_any_job(e2e, overrides, named):
         # smoke_imports runs the drafter's training step on each attention backend, as warmup_cache and train do.
         ("objective", {"smoke_imports", "repro_fx_race", "warmup_cache"} | DOWNSTREAM_OF_TRAIN),
     ],
-    ids=["report", "decode", "tracking", "checkpoint", "features", "data", "preflight-race", "objective"],
+    ids=["report", "decoding", "tracking", "checkpoint", "features", "data", "preflight-race", "objective"],
 )
 def test_a_code_change_reruns_the_jobs_that_run_it(e2e, module, expected):
     """The package files a job runs are its inputs (the working directory is a copy of the project: its package may be edited)."""

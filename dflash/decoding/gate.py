@@ -1,4 +1,4 @@
-"""How many draft tokens a decoding step verifies: the target's verify cost, calibrated confidence, the gate.
+"""The gate: how many draft tokens a decoding step verifies, and the verify cost it decides with.
 
 A verify of k tokens costs c(k) target steps (c(1) = 1), measured on the
 machine at hand, then learnt from what decoding pays (``PaidCost``). A
@@ -28,27 +28,25 @@ takes the tokens of highest path value. A chain's path values are the
 products above; an alternative's is its own q times its parent's.
 
 The drafter's q come from its own probability of each token it proposes,
-calibrated on validation data per position and per rank (``Calibration``: its
-first choice, and its second, third... as alternatives to the first); prompt
+calibrated on validation data (``dflash.decoding.calibration``); prompt
 lookup's from the acceptance observed so far for proposals of the same match
-length (``LookupConfidence``).
+length (``dflash.decoding.lookup``). ``GatedProposer`` is the gate as a
+proposer: of its candidates' proposals, merged, what the verify takes.
 """
 
 from __future__ import annotations
 
-import itertools
-import json
+import dataclasses
 import math
-import operator
 import statistics
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+from dflash.decoding.proposal import Proposal, Proposer, merge, path_values, token_depths
 from dflash.errors import InputError
 
 
@@ -148,11 +146,6 @@ class Throughput:
         self.cost += cost
 
 
-def path_values(accept: Sequence[float]) -> list[float]:
-    """A chain's tokens' probabilities of being accepted: the running products of their conditional ones."""
-    return list(itertools.accumulate(accept, operator.mul))
-
-
 @torch.no_grad()
 def measure_verify_cost(target, max_width: int, context: int = 256, repeats: int = 15) -> VerifyCost:
     """c(k)/c(1) for k = 1..``max_width``: the target's forward over k new tokens after ``context`` cached ones, as
@@ -180,111 +173,104 @@ def measure_verify_cost(target, max_width: int, context: int = 256, repeats: int
     return VerifyCost(relative=tuple(relative), step_ms=statistics.median(r[0] for r in rounds))
 
 
-@dataclass
-class Calibration:
-    """Per draft position k: the probability that it is accepted given that 1..k-1 were, as a non-decreasing step
-    function of the drafter's top probability there (equal-count bins made monotone by pooling adjacent violators)."""
+class GatedProposer:
+    """Per step, the verify takes the tokens whose expected committed tokens most exceed what their cost earns at the
+    decoding's rate so far (``VerifyCost.best_count``, the cost including every draft made that step; the rate from
+    ``throughput``, which each verify updates, shared across requests where given): of the candidates' proposals, merged
+    into one token tree, the tokens most likely accepted, padded to the cheapest width. One candidate is a
+    confidence-gated drafter; a drafter and prompt lookup, the hybrid, whose verify may try lookup's continuation and
+    the drafter's beside it. Candidates are asked cheapest first, and a costly one only when the best proposal its
+    ``ceiling`` allows beats the best so far after paying for it: the drafter is not run on the steps where lookup's
+    proposal leaves it nothing to add. A candidate not asked still observes every target forward, so its state (the
+    drafter's cache) catches up when it is next asked."""
 
-    upper: list[list[float]]  # per position: each bin's highest top probability (the last bin takes everything above)
-    rates: list[list[float]]  # per position: each bin's observed acceptance
-    counts: list[list[int]]
-    # The same for the drafter's second, third... choice at each position, as the alternative to its first: the
-    # probability that it is the target's token given that the first choices before it were.
-    runner_up: list[Calibration] = field(default_factory=list)
+    def __init__(self, candidates: list[Proposer], cost: VerifyCost, throughput: Throughput | None = None):
+        self.candidates, self.cost = sorted(candidates, key=lambda c: c.draft_cost), cost
+        self.throughput = Throughput() if throughput is None else throughput
+        self.candidates_by_name = {c.name: c for c in candidates}
+        self.name = "+".join(c.name for c in candidates)
+        self.needs_hidden_states = any(c.needs_hidden_states for c in candidates)
+        self.draft_cost = sum(c.draft_cost for c in candidates)
+        self.block_size = cost.max_width
+        self._proposals: dict[str, Proposal] = {}  # this step's, by candidate
+        self._spent = 0.0  # this step's drafting
 
-    @property
-    def positions(self) -> int:
-        return len(self.rates)
+    def observe(self, hidden_states, count: int, start: int) -> None:
+        for candidate in self.candidates:
+            candidate.observe(hidden_states, count, start)
 
-    def __call__(self, probs: Sequence[float]) -> list[float]:
-        out = []
-        for k, p in enumerate(probs):
-            if k >= self.positions or not self.rates[k]:
-                out.append(0.0)  # never observed: no claim of acceptance
-                continue
-            upper, rates = self.upper[k], self.rates[k]
-            out.append(next((r for u, r in zip(upper, rates) if p <= u), rates[-1]))
-        return out
+    @staticmethod
+    def _ranked(proposal: Proposal) -> list[int]:
+        """The proposal's tokens, most likely accepted first (each after its parent: a token is never likelier than it)."""
+        values, depths = proposal.values(), token_depths(proposal.parent_indices())
+        return sorted(range(len(values)), key=lambda i: (-values[i], depths[i]))
 
-    def ceiling(self, count: int) -> list[float]:
-        """The highest acceptance each of positions 1..``count`` can be given (the rates never fall with the probability)."""
-        return [rates[-1] if rates else 0.0 for rates in self.rates[:count]] + [0.0] * max(0, count - self.positions)
+    def _best(self, values: list[float], count: int, spent: float, rate: float) -> tuple[int, float]:
+        """The best count of the tokens of ``values`` (highest first) and its surplus at ``rate``."""
+        n, surplus = self.cost.best_count(values[:count], spent, rate)
+        return min(n, count), surplus
 
-    @classmethod
-    def fit(cls, probs: torch.Tensor, correct: torch.Tensor, counted: torch.Tensor, bins: int = 10, first: torch.Tensor | None = None) -> Calibration:
-        """From blocks ``[N, P]``: the drafter's probability of a token at positions 1..P, whether it was the target's
-        token, and whether the position was labelled. Position k uses the blocks whose positions 1..k-1 were all
-        correct: by ``first`` ``[N, P]``, the correctness of the first choices, where ``probs`` are of another."""
-        first = correct if first is None else first
-        upper, rates, counts = [], [], []
-        prefix = torch.ones(probs.shape[0], dtype=torch.bool)
-        for k in range(probs.shape[1]):
-            use = prefix & counted[:, k]
-            p, y = probs[use, k].double(), correct[use, k].double()
-            order = p.argsort()
-            p, y = p[order], y[order]
-            groups = [g for g in torch.tensor_split(torch.arange(len(p)), min(bins, len(p))) if len(g)] if len(p) else []
-            # Pool adjacent violators: merge bins until the rates never fall as the probability rises.
-            pooled: list[list[float]] = []  # [upper, sum of correct, count]
-            for g in groups:
-                pooled.append([float(p[g[-1]]), float(y[g].sum()), len(g)])
-                while len(pooled) > 1 and pooled[-2][1] / pooled[-2][2] >= pooled[-1][1] / pooled[-1][2]:
-                    last = pooled.pop()
-                    pooled[-1] = [last[0], pooled[-1][1] + last[1], pooled[-1][2] + last[2]]
-            upper.append([u for u, _, _ in pooled])
-            rates.append([s / n for _, s, n in pooled])
-            counts.append([n for _, _, n in pooled])
-            prefix = prefix & first[:, k] & counted[:, k]
-        return cls(upper=upper, rates=rates, counts=counts)
+    def choose(self, proposal: Proposal, count: int, spent: float, last: int, rate: float) -> Proposal:
+        """What the verify takes of ``proposal``: its most likely accepted tokens, as many as earn most beyond their
+        cost at ``rate`` (``spent``: the step's drafting), at most ``count``, padded to their width (with ``last``, the
+        last committed token, where the proposal has none); none where a plain step earns more."""
+        ranked = self._ranked(proposal)
+        values = proposal.values()
+        n, _ = self._best([values[i] for i in ranked], count, spent, rate)
+        if n == 0:
+            return Proposal([], accept=[], source="")
+        chosen = ranked[:n]
+        index = {old: new for new, old in enumerate(chosen)}
+        parents = [index.get(proposal.parent_indices()[i], -1) for i in chosen]
+        # Slots past the proposal's end (a short lookup match, or none where a wider verify costs less than a plain
+        # step) are filled with its last token, each following the one before: free, since the padded width costs no
+        # more, and lossless, since any token may be verified.
+        fill = n - len(chosen)
+        parents += range(len(chosen) - 1, n - 1)
+        origins = None if proposal.origins is None else [proposal.origins[i] for i in chosen]
+        names = [c.name for c in self.candidates if origins is not None and any(c.name in o for o in origins)]
+        return Proposal(
+            [proposal.tokens[i] for i in chosen] + [proposal.tokens[chosen[-1]] if chosen else last] * fill,
+            accept=[proposal.accept[i] for i in chosen] + [0.0] * fill,
+            parents=None if parents == list(range(-1, n - 1)) else parents,
+            source="+".join(names) if origins is not None else proposal.source,  # merged: whose tokens it verifies
+            match=proposal.match,
+            own=len(chosen),
+            origins=origins,
+        )
 
-    @classmethod
-    def fit_ranked(cls, probs: torch.Tensor, correct: torch.Tensor, counted: torch.Tensor, bins: int = 10) -> Calibration:
-        """From blocks ``[N, P, R]``: the drafter's R most probable tokens at each position, best first. The first
-        choice's calibration, with its ``runner_up`` for the others."""
-        calibration = cls.fit(probs[..., 0], correct[..., 0], counted, bins)
-        calibration.runner_up = [cls.fit(probs[..., r], correct[..., r], counted, bins, first=correct[..., 0]) for r in range(1, probs.shape[-1])]
-        return calibration
+    def propose(self, tokens: list[int], count: int) -> Proposal:
+        self._proposals, spent, rate = {}, 0.0, self.throughput.rate
+        merged, pool = None, []  # the proposals so far as one tree, and its values, highest first
+        for candidate in self.candidates:
+            ceiling = candidate.ceiling(count)
+            if ceiling is not None:
+                # At best the candidate adds tokens of the highest values it could give, none of them already proposed.
+                reach = self._best(sorted(pool + ceiling, reverse=True), count, spent + candidate.draft_cost, rate)[1]
+                if reach <= self._best(pool, count, spent, rate)[1]:
+                    continue
+            proposal = candidate.propose(tokens, count)
+            if proposal.accept is None:
+                raise ValueError(f"a gated proposer needs confidences, and {candidate.name!r} gives none (a drafter needs a calibration)")
+            self._proposals[candidate.name] = proposal
+            spent += candidate.draft_cost
+            merged = merge(list(self._proposals.values()))
+            pool = sorted(merged.values(), reverse=True)
+        consulted, self._spent = tuple(self._proposals), spent
+        if merged is None:
+            return Proposal([], accept=[], source="", consulted=consulted)
+        return dataclasses.replace(self.choose(merged, count, spent, tokens[-1], rate), consulted=consulted)
 
-    def to_dict(self) -> dict:
-        return {"upper": self.upper, "rates": self.rates, "counts": self.counts, "runner_up": [c.to_dict() for c in self.runner_up]}
+    def ceiling(self, count: int) -> list[float] | None:
+        return None
 
-    @classmethod
-    def from_dict(cls, data: dict) -> Calibration:
-        runner_up = [cls.from_dict(c) for c in data.get("runner_up", [])]
-        return cls(upper=data["upper"], rates=data["rates"], counts=data["counts"], runner_up=runner_up)
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-
-    @classmethod
-    def load(cls, path: Path) -> Calibration:
-        try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise InputError(f"{path}: not a calibration written by dflash ({err}); rerun the evaluate stage") from err
-
-
-def acceptance_lengths(correct: torch.Tensor, counted: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """Per block ``[N, P]``: the acceptance length greedy speculative decoding gets from it, 1 plus the run of correct
-    positions from the first (a position not labelled ends the run); ``lengths`` ``[N]`` caps how many are verified."""
-    run = (correct & counted).int().cumprod(1)
-    if lengths is not None:
-        run = run * (torch.arange(run.shape[1])[None] < lengths[:, None])
-    return 1 + run.sum(1)
-
-
-@dataclass
-class LookupConfidence:
-    """Prompt lookup's acceptance so far, by match length and position: (accepted + 1) / (tried + 2) for the k-th token
-    of a proposal whose n-gram matched ``match`` tokens, given tokens 1..k-1 were accepted."""
-
-    tried: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))
-    accepted: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))
-
-    def __call__(self, match: int, count: int) -> list[float]:
-        return [(self.accepted[match, k] + 1) / (self.tried[match, k] + 2) for k in range(1, count + 1)]
-
-    def update(self, match: int, verified: int, accepted: int) -> None:
-        for k in range(1, min(verified, accepted + 1) + 1):
-            self.tried[match, k] += 1
-            self.accepted[match, k] += k <= accepted
+    def feedback(self, proposal: Proposal, path: list[int]) -> None:
+        """The step's tokens and cost go to the throughput; each candidate hears of its own tokens: those verified (a
+        chain's are a prefix of it), and those accepted."""
+        self.throughput.update(len(path) + 1, self.cost.relative[len(proposal.tokens)] + self._spent)
+        for name, own in self._proposals.items():
+            verified = [i for i in range(proposal.drafted) if name in proposal.origins[i]]
+            if verified:
+                mine = dataclasses.replace(own, tokens=own.tokens[: len(verified)], own=None)
+                own_path = [k for k, i in enumerate(verified) if i in path]
+                self.candidates_by_name[name].feedback(mine, own_path)
