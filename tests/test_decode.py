@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import EOS, MASK, build_drafter, build_target, llama_config, qwen3_config, random_prompt
 
+import dflash.decoding.arms
 from dflash.decoding.arms import Arm, Shared, decode_arms, register_proposer
 from dflash.decoding.calibration import Calibration
 from dflash.decoding.drafter import DFlashProposer
@@ -343,8 +344,9 @@ class RepeatLast:
         pass
 
 
-def test_a_proposer_added_through_the_registry_decodes_losslessly_in_an_arm_of_its_own():
+def test_a_proposer_added_through_the_registry_decodes_losslessly_in_an_arm_of_its_own(monkeypatch):
     """One line registers a new proposer; an arm names it, gated and ungated, and decodes the baseline's tokens."""
+    monkeypatch.setattr(dflash.decoding.arms, "PROPOSERS", dict(dflash.decoding.arms.PROPOSERS))  # the test's alone
     register_proposer("repeat", lambda shared, gated: (RepeatLast(), 5))
     target = build_target(qwen3_config(eos_token_id=None))  # decodes to the token limit
     shared = Shared(
@@ -358,3 +360,5 @@ def test_a_proposer_added_through_the_registry_decodes_losslessly_in_an_arm_of_i
     assert decoded["repeat-gated"].stats.choices["repeat"] > 0  # a free verify of half-sure tokens pays
     with pytest.raises(ValueError, match="registered already"):
         register_proposer("repeat", lambda shared, gated: (RepeatLast(), 5))
+    with pytest.raises(ValueError, match="the first arm must be the autoregressive baseline"):
+        decode_arms(arms[1:], shared, random_prompt(10, 3), 4)

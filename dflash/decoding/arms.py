@@ -86,7 +86,9 @@ def build(arm: Arm, shared: Shared) -> tuple[Proposer | None, int]:
 
 def decode_arms(arms: Sequence[Arm], shared: Shared, ids: torch.Tensor, max_new_tokens: int) -> dict[str, Generation]:
     """One prompt decoded by every arm in turn, each built after the last has taught the cost what it paid; the
-    first arm's median step (the baseline's) is what the others' verifies are timed against."""
+    first arm, the autoregressive baseline, gives the median plain step the others' verifies are timed against."""
+    if not arms or arms[0].proposers:
+        raise ValueError(f"the first arm must be the autoregressive baseline (no proposers), got {arms[0] if arms else 'no arms'}")
     generations: dict[str, Generation] = {}
     step = None
     for arm in arms:

@@ -69,9 +69,10 @@ def verify(target: Target, cache: DynamicCache, last: int, start: int, draft: li
     device = target.device
     chain = parents == list(range(-1, len(draft) - 1))
     depths = [0] + token_depths(parents)
+    block = torch.tensor([[last] + draft], device=device)
     verifying = time.perf_counter()
     out = target.forward(
-        torch.tensor([[last] + draft], device=device),
+        block,
         cache,
         position_ids=(start + torch.tensor(depths, device=device))[None],
         attention_mask=None if chain else tree_mask(parents, start, device),
