@@ -44,6 +44,11 @@ def test_a_rendezvous_host_that_does_not_resolve_is_named_before_torchrun_starts
     assert "the rendezvous host 'no-such-node.invalid' does not resolve on" in line and "/etc/hosts" in line
 
 
+def test_a_rendezvous_endpoint_needs_a_port_and_an_id():
+    result = launch("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", "dflash-n1", *TRAIN)
+    assert result.returncode == 2 and "expected HOST:PORT, with --rdzv-id" in result.stderr
+
+
 def test_the_node_part_starts_torchrun_with_the_program_and_its_arguments_unchanged():
     args = build_parser().parse_args(["--nnodes", "2", "--nproc-per-node", "8", "--rdzv-endpoint", "localhost:29517", "--rdzv-id", "17", *TRAIN])
     command = start_torchrun(args)

@@ -159,11 +159,13 @@ wait_idle() {
     die "the nodes were not idle within $UP_TIMEOUT s; sinfo says: ${state:-nothing (is slurmctld up?)}; the daemons' logs are above"
 }
 
+# Stop the daemon named $2 whose pid file is $1: only if that pid is still that daemon (a stale file's pid may be
+# another process's by now).
 stop_pidfile() {
-    local file=$1 pid
+    local file=$1 daemon=$2 pid
     [ -f "$file" ] || return 0
     pid=$(cat "$file" 2>/dev/null || true)
-    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+    if [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$daemon" ]; then
         kill "$pid" 2>/dev/null || true
         for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
         kill -9 "$pid" 2>/dev/null || true
@@ -171,7 +173,8 @@ stop_pidfile() {
     rm -f "$file"
 }
 
-ours() { [ ! -e "$CONF" ] || head -n 1 "$CONF" | grep -q "^$CONF_TAG"; }
+# A config file this script wrote (or none): the only kind it replaces or removes.
+ours() { [ ! -e "$1" ] || head -n 1 "$1" | grep -q "^$CONF_TAG"; }
 
 down() {
     # Every process in the cluster's namespaces (jobs, slurmd, slurmctld), then munged, then the namespaces: deleting
@@ -181,20 +184,23 @@ down() {
             ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
         fi
     done
-    stop_pidfile "$MUNGED_PID"
+    stop_pidfile "$MUNGED_PID" munged
     for ns in $(namespaces); do
         [ -e "/run/netns/$ns" ] && ip netns del "$ns"
         rm -rf "/etc/netns/$ns"
     done
     rm -rf "$DIR/ctld" "$DIR/spool" "$DIR"/*.pid "$DIR/hosts"
-    if ours; then rm -f "$CONF" "$CGROUP_CONF"; fi
+    for conf in "$CONF" "$CGROUP_CONF"; do if ours "$conf"; then rm -f "$conf"; fi; done
 }
 
 up() {
     [ "$(id -u)" -eq 0 ] || die "the cluster needs root (network namespaces, slurmd)"
-    ours || die "$CONF is this machine's own SLURM config, not one this script wrote: it is left alone; run the cluster on a machine without SLURM"
+    for conf in "$CONF" "$CGROUP_CONF"; do
+        ours "$conf" || die "$conf is this machine's own SLURM config, not one this script wrote: it is left alone; run the cluster on a machine without SLURM"
+    done
     install
     down
+    trap 'say "up failed: stopping what it started (logs kept in $DIR/log)"; down' EXIT
     mkdir -p "$DIR/log"
     rm -f "$DIR"/log/*.log
     write_conf
@@ -203,6 +209,7 @@ up() {
     start_daemon "$CONTROLLER" slurmctld -f "$CONF"
     for i in $(seq 1 "$NODES"); do start_daemon "$(node_name "$i")" slurmd -f "$CONF" -N "$(node_name "$i")"; done
     wait_idle
+    trap - EXIT
     say "up: $NODES nodes idle; submit from the controller's namespace: $0 submit sbatch ..."
 }
 
