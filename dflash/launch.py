@@ -78,7 +78,10 @@ def job_plan(nnodes: int) -> tuple[str, list[str], int]:
     job = slurm_job(job_id)
     hosts = hostnames(job.get("NodeList", ""))
     if not hosts:
-        raise PreflightError(f"SLURM job {job_id} lists no nodes (scontrol show job: NodeList={job.get('NodeList', '')!r}): is it still pending?")
+        raise PreflightError(
+            f"SLURM job {job_id} holds no nodes (scontrol show job: NodeList={job.get('NodeList', '')!r}): SLURM_JOB_ID must name the "
+            f"running job this is started in; submit it with `sbatch --nodes {nnodes} ...`, or set topology.nnodes: 1"
+        )
     if len(hosts) != nnodes:
         raise PreflightError(
             f"SLURM job {job_id} holds {len(hosts)} node(s) ({job.get('NodeList', 'none')}) but topology.nnodes is {nnodes}: "
@@ -138,9 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.rdzv_endpoint is not None and (not re.fullmatch(r"[^:]+:\d+", args.rdzv_endpoint) or args.rdzv_id is None):
-        build_parser().error(f"--rdzv-endpoint {args.rdzv_endpoint!r}: expected HOST:PORT, with --rdzv-id")
+        parser.error(f"--rdzv-endpoint {args.rdzv_endpoint!r}: expected HOST:PORT, with --rdzv-id")
     try:
         command = start_torchrun(args) if args.rdzv_endpoint else start_nodes(args)
     except PreflightError as err:

@@ -12,7 +12,9 @@ import sys
 
 import pytest
 
-from dflash.launch import build_parser, rendezvous_port, start_torchrun
+import dflash.launch
+from dflash.errors import PreflightError
+from dflash.launch import build_parser, job_plan, rendezvous_port, start_torchrun
 
 TRAIN = ["-m", "dflash", "train", "--train", '{"epochs": 1}']
 
@@ -42,6 +44,16 @@ def test_without_srun_on_path_it_names_the_missing_commands(tmp_path):
 def test_a_rendezvous_host_that_does_not_resolve_is_named_before_torchrun_starts():
     line = one_line_error(launch("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", "no-such-node.invalid:29517", "--rdzv-id", "17", *TRAIN))
     assert "the rendezvous host 'no-such-node.invalid' does not resolve on" in line and "/etc/hosts" in line
+
+
+def test_a_job_that_holds_no_nodes_is_named_not_sent_to_srun(monkeypatch):
+    """scontrol's record of a job id that is not a running job here (pending, or another's) lists no nodes."""
+    monkeypatch.setenv("SLURM_JOB_ID", "17")
+    monkeypatch.setattr(dflash.launch, "require_commands", lambda *names: None)
+    monkeypatch.setattr(dflash.launch, "slurm_job", lambda job_id: {"JobId": job_id, "JobState": "PENDING", "NodeList": "(null)"})
+    monkeypatch.setattr(dflash.launch, "hostnames", lambda nodelist: [])
+    with pytest.raises(PreflightError, match=r"SLURM job 17 holds no nodes \(scontrol show job: NodeList='\(null\)'\): SLURM_JOB_ID must name"):
+        job_plan(2)
 
 
 def test_a_rendezvous_endpoint_needs_a_port_and_an_id():
