@@ -162,9 +162,18 @@ def serve_regeneration(args, s) -> None:
 
 
 def report(args, s) -> None:
-    from dflash.report import build_report
+    from dflash.report.build import RunArtifacts, build_report
 
-    build_report(args.metrics, args.train_summary, args.card, args.eval_summary, args.out_dir)
+    artifacts = RunArtifacts(args.metrics, args.train_summary, args.card, args.eval_summary, args.env, args.target_manifest, args.benchmarks)
+    written = build_report(artifacts, args.config_values, args.out_dir)
+    print(f"report: {written[-1]}")
+
+
+def check_report(args, s) -> None:
+    from dflash.report.browser import check_page
+
+    verdict = check_page(args.page, args.screenshot, args.out)
+    print(f"{args.page}: {len(verdict['images'])} images loaded, no text overflows; screenshot {args.screenshot}")
 
 
 def env_check(args, s) -> None:
@@ -221,7 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preflight", type=Path, nargs="*", default=[], help="verdict files train requires")
     paths = ["target_manifest", "drafter", "heldout", "validation", "out_dir"]
     _add(sub, "evaluate", "speculative decoding on the evaluation sets", evaluate, {"eval": C.EvalConfig, "topology": C.TopologyConfig}, paths)
-    _add(sub, "report", "plots and an HTML summary", report, {}, ["metrics", "train_summary", "card", "eval_summary", "out_dir"])
+    paths = ["metrics", "train_summary", "card", "eval_summary", "env", "target_manifest", "benchmarks", "out_dir"]
+    p = _add(sub, "report", "the run's plots and its report page", report, {}, paths)
+    p.add_argument("--config-values", type=_json_object, default={}, help="the config's key values to show, by dotted key, as JSON")
+    _add(sub, "check-report", "the report page in headless Chromium: images loaded, no overflow, a screenshot", check_report, {}, ["page", "screenshot", "out"])
     p = _add(sub, "serve-env", "build vLLM's own environment (serve.requirements)", serve_env, {"serve": C.ServeConfig}, ["env", "out"])
     p.add_argument("--optional", action="store_true", help="record a failure in --out and exit 0 (data.generation.engine: auto)")
     sections = {"serve": C.ServeConfig, "eval": C.EvalConfig, "topology": C.TopologyConfig}

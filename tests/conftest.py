@@ -117,3 +117,17 @@ def tiny_drafter_config():
         block_size=4,
         initializer_range=0.2,
     )
+
+
+def require_chromium() -> str:
+    """Headless Chromium for the report's browser check: skip without it, unless DFLASH_REQUIRE_CHROMIUM=1 (.ci/run
+    installs it, so there a skip would hide a failure)."""
+    from dflash.errors import PreflightError
+    from dflash.report.browser import find_browser
+
+    try:
+        return find_browser()
+    except PreflightError as missing:
+        if os.environ.get("DFLASH_REQUIRE_CHROMIUM") == "1":
+            pytest.fail(f"DFLASH_REQUIRE_CHROMIUM=1 but {missing}")
+        pytest.skip(str(missing))

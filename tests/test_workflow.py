@@ -33,6 +33,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from conftest import require_chromium
 from tiny_chat_target import UNUSED, build_tiny_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -400,6 +401,39 @@ def test_report_renders_self_contained(e2e):
     assert not re.search(r"<link[^>]*href=[\"']https?:", page)
 
 
+@pytest.mark.slow
+def test_the_report_page_shows_the_runs_numbers_under_their_headers(e2e):
+    results = e2e["workdir"] / "results"
+    page = (results / "report" / "summary.html").read_text()
+    summary = pd.read_csv(results / "eval" / "summary.csv")
+    train = json.loads((results / "train" / "summary.json").read_text())
+    assert "Speedup vs plain decoding (×)" in page and "Tokens accepted per verify step (τ)" in page
+    for _, row in summary.iterrows():
+        row_html = page[page.index(f"<td>{row['set']}</td>") :].split("</tr>")[0]
+        for column in ("speedup", "pld_speedup", "hybrid_speedup"):
+            assert f"{row[column]:.2f}×" in row_html, (row["set"], column)
+    assert f"<th>Steps</th><td>{train['steps']:,}</td>" in page
+    # The config's key values, as this run had them (the evaluation's max_new_tokens was changed before this report).
+    assert f"<th>eval.max_new_tokens</th><td>{e2e['config']['eval']['max_new_tokens']}</td>" in page
+    # A duration per stage that ran, from Snakemake's benchmark files.
+    for stage in ("env_check", "prepare_data", "train", "evaluate"):
+        assert f"<td>{stage}</td>" in page, stage
+    assert "<td>report</td>" not in page  # the previous report's own benchmark, stale
+    images = re.findall(r"<img src=\"([^\"]{0,30})", page)
+    assert len(images) == 6 and all(src.startswith("data:image/png;base64,") for src in images)
+    assert "<script" not in page and "http" not in page
+
+
+@pytest.mark.slow
+def test_check_report_renders_the_page_in_chromium(e2e):
+    require_chromium()
+    result = run_snakemake(e2e["workdir"], e2e["env"], "--cores", "1", "check_report", timeout=300)
+    assert jobs(result) == {"check_report"}
+    verdict = json.loads((e2e["workdir"] / "results" / "report" / "browser_check.json").read_text())
+    assert verdict["ok"] and len(verdict["images"]) == 6 and all(image["width"] > 0 for image in verdict["images"])
+    assert (e2e["workdir"] / "results" / "report" / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def _declared_inputs(result: subprocess.CompletedProcess, package_dir: Path) -> dict[str, set[str]]:
     """Each executed job's declared package files, from Snakemake's job listing."""
     declared = {}
@@ -553,7 +587,7 @@ def test_bad_command_line_config_is_named_before_any_job(e2e, overrides, named):
 @pytest.mark.parametrize(
     "module, expected",
     [
-        ("report", {"report", "all"}),
+        ("report/build", {"report", "all"}),
         ("decoding/generate", {"evaluate", "report", "all"}),
         ("tracking", DOWNSTREAM_OF_TRAIN),
         # Training state on disk and where hidden states come from: the training loop only, never the preflight stages.

@@ -31,6 +31,8 @@ if workflow.resource_settings.cores is None and workflow.resource_settings.nodes
 
 RESULTS = "results"
 LOGS = f"{RESULTS}/logs"
+# Snakemake's benchmark of each job (wall time, peak memory): the report's durations per stage.
+BENCHMARKS = f"{RESULTS}/benchmarks"
 # The verdict of the preflight checks that take seconds (env_check, then smoke_imports): every expensive stage waits for it.
 PREFLIGHT_FAST = f"{RESULTS}/preflight/smoke_imports.json"
 ENV = "../../envs/dflash.yaml"
@@ -223,3 +225,27 @@ def launcher(topology):
     # Several nodes (SLURM): one torchrun per node, started by srun, meeting at a rendezvous on the job's first node;
     # dflash.launch reads the job from SLURM and checks it against the topology before anything starts.
     return f"python -m dflash.launch --nnodes {topology.nnodes} --nproc-per-node {topology.nproc_per_node}"
+
+
+# The config's key values the report page shows. Each is read by a stage upstream, so a change reruns that stage anyway;
+# keys that rerun nothing (topology.collective_timeout_s, data.generation's transport) stay off the page.
+REPORT_KEYS = (
+    "seed", "target.source", "target.dtype", "data.prompts.source", "data.prompts.limit", "data.regenerate",
+    "data.max_length", "drafter.num_hidden_layers", "drafter.block_size", "drafter.draft_vocab_size", "train.epochs",
+    "train.batch_size", "train.lr", "train.gamma", "train.precision", "train.compile", "topology.kind",
+    "topology.device", "topology.nnodes", "topology.nproc_per_node", "eval.block_size", "eval.max_new_tokens",
+    "eval.gate", "eval.branches", "eval.target_dtype",
+)
+
+
+def report_config_values(keys):
+    """The config's values at dotted ``keys`` (defaults filled in), and the evaluation sets' names, as canonical JSON."""
+    values = to_dict(CFG)
+    picked = {}
+    for key in keys:
+        value = values
+        for part in key.split("."):
+            value = value[part]
+        picked[key] = value
+    picked["eval.sets"] = [s["name"] for s in values["eval"]["sets"]]
+    return canonical_json(picked)

@@ -17,6 +17,8 @@ rule prepare_target:
         ENV
     log:
         f"{LOGS}/prepare_target.log",
+    benchmark:
+        f"{BENCHMARKS}/prepare_target.tsv",
     shell:
         "python -m dflash prepare-target --target {params.target:q} --out {output} > {log} 2>&1"
 
@@ -41,6 +43,8 @@ rule fetch_dataset:
         ENV
     log:
         f"{LOGS}/fetch_dataset_{{dataset}}.log",
+    benchmark:
+        f"{BENCHMARKS}/fetch_dataset_{{dataset}}.tsv",
     shell:
         "python -m dflash fetch-dataset --prompts {params.prompts:q} --out {output} > {log} 2>&1"
 
@@ -78,6 +82,8 @@ rule prepare_data:
         ENV
     log:
         f"{LOGS}/prepare_data.log",
+    benchmark:
+        f"{BENCHMARKS}/prepare_data.tsv",
     shell:
         "{resources.launcher} -m dflash prepare-data --data {params.data:q} --transport {resources.transport:q} --topology {resources.topology:q} --seed {params.seed} "
         "--target-manifest {input.manifest} {params.vllm_env} --out-dir {params.out_dir} --chunk-dir {params.chunk_dir} > {log} 2>&1"

@@ -33,6 +33,8 @@ rule evaluate:
         ENV
     log:
         f"{LOGS}/evaluate.log",
+    benchmark:
+        f"{BENCHMARKS}/evaluate.tsv",
     shell:
         "python -m dflash evaluate --eval {params.eval:q} --topology {params.topology:q} --target-manifest {input.manifest} "
         "--drafter {input.drafter} --heldout {input.heldout} --validation {input.validation} --out-dir {params.out_dir} > {log} 2>&1"

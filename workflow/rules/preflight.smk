@@ -19,6 +19,8 @@ rule env_check:
         ENV
     log:
         f"{LOGS}/env_check.log",
+    benchmark:
+        f"{BENCHMARKS}/env_check.tsv",
     shell:
         "python -m dflash env-check --topology {params.topology:q} --preflight {params.preflight:q} "
         "--results-dir {params.results_dir} --out {output} > {log} 2>&1"
@@ -39,6 +41,8 @@ rule smoke_imports:
         ENV
     log:
         f"{LOGS}/smoke_imports.log",
+    benchmark:
+        f"{BENCHMARKS}/smoke_imports.tsv",
     shell:
         "python -m dflash smoke-imports --topology {params.topology:q} --out {output} > {log} 2>&1"
 
@@ -61,6 +65,8 @@ rule repro_fx_race:
         ENV
     log:
         f"{LOGS}/repro_fx_race.log",
+    benchmark:
+        f"{BENCHMARKS}/repro_fx_race.tsv",
     shell:
         "python -m dflash repro-fx-race --diagnostic --topology {params.topology:q} --preflight {params.preflight:q} --out {output} > {log} 2>&1"
 
@@ -91,6 +97,8 @@ rule warmup_cache:
         ENV
     log:
         f"{LOGS}/warmup_cache.log",
+    benchmark:
+        f"{BENCHMARKS}/warmup_cache.tsv",
     shell:
         "python -m dflash warmup-cache --devices {params.devices} --drafter {params.drafter:q} --train {params.train:q} --topology {params.topology:q} "
         "--target-manifest {input.manifest} --samples {input.samples} --cache-root {params.cache_root} --out-dir {params.out_dir} > {log} 2>&1"

@@ -15,6 +15,8 @@ rule serve_env:
         ENV
     log:
         f"{LOGS}/serve_env.log",
+    benchmark:
+        f"{BENCHMARKS}/serve_env.tsv",
     shell:
         "python -m dflash serve-env --serve {params.serve:q} --env {params.env} {params.optional} --out {output.env_manifest} > {log} 2>&1"
 
@@ -42,6 +44,8 @@ rule serve_check:
         ENV
     log:
         f"{LOGS}/serve_check.log",
+    benchmark:
+        f"{BENCHMARKS}/serve_check.tsv",
     shell:
         "python -m dflash serve-check --serve {params.serve:q} --eval {params.eval:q} --topology {params.topology:q} "
         "--env-manifest {input.env_manifest} --target-manifest {input.manifest} --drafter {input.drafter} "
@@ -69,6 +73,8 @@ rule serve_regeneration:
         ENV
     log:
         f"{LOGS}/serve_regeneration.log",
+    benchmark:
+        f"{BENCHMARKS}/serve_regeneration.tsv",
     shell:
         "python -m dflash serve-regeneration --serve {params.serve:q} --eval {params.eval:q} --data {params.data:q} "
         "--topology {params.topology:q} --env-manifest {input.env_manifest} --target-manifest {input.manifest} "

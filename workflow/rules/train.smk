@@ -38,6 +38,8 @@ rule train:
         ENV
     log:
         f"{LOGS}/train.log",
+    benchmark:
+        f"{BENCHMARKS}/train.tsv",
     shell:
         "{resources.launcher} -m dflash train --drafter {params.drafter:q} --train {params.train:q} "
         "--topology {resources.topology:q} --tracking {resources.tracking:q} --seed {params.seed} "

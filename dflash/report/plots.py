@@ -1,9 +1,9 @@
-"""Plots and an HTML summary of a run, from the artifacts the stages wrote under ``results/``."""
+"""The run's plots, one PNG each, from the stages' artifacts: training curves, acceptance per step and per draft
+position, speedup per set and arm, the drafter's calibration in decoding, the verify cost."""
 
 from __future__ import annotations
 
-import html
-import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -11,8 +11,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
-
-from dflash.errors import InputError  # noqa: E402
 
 PLOTS = ("training_curves.png", "acceptance_histogram.png", "position_acceptance.png", "speedup.png", "calibration.png", "verify_cost.png")
 
@@ -76,23 +74,47 @@ def plot_position_acceptance(per_prompt: dict[str, pd.DataFrame], path: Path) ->
     _save(fig, path)
 
 
-def plot_speedup(summary: pd.DataFrame, path: Path) -> None:
-    """Each arm's speedup per set: the drafter, prompt lookup (which needs no training), the hybrid; τ on each bar."""
+@dataclass(frozen=True)
+class ArmColumns:
+    """An evaluation arm's columns: per prompt (``<set>.csv``) its time per output token; per set (``summary.csv``)
+    its speedup, τ and losslessness."""
+
+    label: str
+    tpot: str
+    speedup: str
+    tau: str
+    lossless: str
+    color: str
+
+
+ARMS = (
+    ArmColumns("drafter", "tpot_dflash_ms", "speedup", "tau", "lossless", "tab:green"),
+    ArmColumns("prompt lookup", "tpot_pld_ms", "pld_speedup", "pld_tau", "pld_lossless", "tab:gray"),
+    ArmColumns("hybrid", "tpot_hybrid_ms", "hybrid_speedup", "hybrid_tau", "hybrid_lossless", "tab:blue"),
+)
+
+
+def per_prompt_speedups(rows: pd.DataFrame, arm: ArmColumns) -> pd.Series:
+    """Each prompt's own speedup in one arm: its plain decoding's time per output token over the arm's."""
+    return rows["tpot_ar_ms"] / rows[arm.tpot]
+
+
+def plot_speedup(summary: pd.DataFrame, per_prompt: dict[str, pd.DataFrame], path: Path) -> None:
+    """Each arm's speedup per set (bars: the set's mean time per output token against plain decoding's; τ on each
+    bar) with each prompt's own speedup as a dot: the drafter, prompt lookup (which needs no training), the hybrid."""
     fig, ax = plt.subplots(figsize=(8, 4))
-    x = range(len(summary))
     width = 0.27
-    arms = (
-        ("dflash", "speedup", "tau", "tab:green", -width),
-        ("prompt lookup", "pld_speedup", "pld_tau", "tab:gray", 0.0),
-        ("hybrid", "hybrid_speedup", "hybrid_tau", "tab:blue", width),
-    )
-    for label, speedup, tau, color, offset in arms:
-        bars = ax.bar([i + offset for i in x], summary[speedup], width, color=color, label=label)
-        for bar, value in zip(bars, summary[tau]):
+    for offset, arm in zip((-width, 0.0, width), ARMS):
+        positions = [i + offset for i in range(len(summary))]
+        bars = ax.bar(positions, summary[arm.speedup], width, color=arm.color, label=arm.label)
+        for bar, value in zip(bars, summary[arm.tau]):
             ax.annotate(f"τ={value:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+        for x, name in zip(positions, summary["set"]):
+            dots = per_prompt_speedups(per_prompt[name], arm)
+            ax.scatter([x] * len(dots), dots, s=6, color="black", alpha=0.45, zorder=3)
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    ax.set_xticks(list(x), summary["set"])
-    ax.set(ylabel="speedup in time per output token", title="speedup over autoregressive decoding")
+    ax.set_xticks(list(range(len(summary))), summary["set"])
+    ax.set(ylabel="speedup vs plain decoding (×)", title="speedup over plain decoding (dots: single prompts)")
     ax.legend(fontsize=8)
     _save(fig, path)
 
@@ -151,47 +173,3 @@ def plot_verify_cost(cost: dict, path: Path) -> None:
     ax.set(xlabel="verify width k (tokens)", ylabel="c(k) / c(1)", title=f"verify cost (c(1) = {cost.get('step_ms') or float('nan'):.1f} ms)")
     ax.legend(fontsize=8)
     _save(fig, path)
-
-
-def _table(frame: pd.DataFrame) -> str:
-    return frame.to_html(index=False, float_format=lambda x: f"{x:.3f}", border=0, classes="table")
-
-
-def _require(*paths: Path) -> None:
-    missing = [str(p) for p in paths if not Path(p).is_file()]
-    if missing:
-        raise InputError(f"the report reads {', '.join(missing)}, which do not exist: rerun the stages that write them (`snakemake --cores 1 report` does)")
-
-
-def build_report(metrics_csv: Path, train_summary_json: Path, card_json: Path, eval_summary_csv: Path, out_dir: Path) -> list[Path]:
-    """The stages' artifacts → plots and ``summary.html``; per-prompt rows (``<set>.csv``) and the verify cost
-    (``verify_cost.json``) are read beside the eval summary."""
-    _require(metrics_csv, train_summary_json, card_json, eval_summary_csv)
-    summary = pd.read_csv(eval_summary_csv)
-    evaluated = eval_summary_csv.parent
-    _require(*(evaluated / f"{name}.csv" for name in summary["set"]), evaluated / "verify_cost.json")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    metrics = pd.read_csv(metrics_csv)
-    per_prompt = {name: pd.read_csv(evaluated / f"{name}.csv") for name in summary["set"]}
-    plot_training_curves(metrics, out_dir / PLOTS[0])
-    plot_acceptance_histogram(per_prompt, out_dir / PLOTS[1])
-    plot_position_acceptance(per_prompt, out_dir / PLOTS[2])
-    plot_speedup(summary, out_dir / PLOTS[3])
-    calibration = calibration_table(per_prompt)
-    calibration.to_csv(out_dir / "calibration.csv", index=False)
-    plot_calibration(calibration, out_dir / PLOTS[4])
-    plot_verify_cost(json.loads((evaluated / "verify_cost.json").read_text()), out_dir / PLOTS[5])
-    card = json.loads(card_json.read_text())
-    train_summary = json.loads(train_summary_json.read_text())
-    page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>DFlash run summary</title>
-<style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}} .table td,.table th{{padding:.2em .8em;text-align:right}}</style></head>
-<body><h1>DFlash run summary</h1>
-<h2>Evaluation</h2>{_table(summary)}
-<h2>Calibration in decoding</h2>{_table(calibration)}
-<h2>Training</h2>{_table(pd.DataFrame([train_summary]))}
-<h2>Data</h2><pre>{html.escape(json.dumps(card, indent=2))}</pre>
-</body></html>
-"""
-    (out_dir / "summary.html").write_text(page)
-    return [out_dir / name for name in PLOTS] + [out_dir / "summary.html"]
