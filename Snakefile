@@ -4,6 +4,8 @@
 #   snakemake --cores 1 evaluate   ... and evaluation
 #   snakemake --report results/report.html
 #   snakemake --cores 1 serve_check   opt-in: the trained drafter in vLLM, against our decoding
+#   snakemake --cores 1 llamacpp_build   opt-in: llama.cpp's llama-server built from its pinned source
+#   snakemake --cores 1 check_report     opt-in: the report page in headless Chromium
 
 
 configfile: "config/config.yaml"

@@ -114,6 +114,16 @@ def evaluate(args, s) -> None:
     print(summary.to_string(index=False))
 
 
+def llamacpp_build(args, s) -> None:
+    from dflash.io import atomic_write_text
+    from dflash.llamacpp import build_llama_server
+
+    manifest = build_llama_server()
+    how = "reused" if manifest["reused"] else f"built in {manifest['build_seconds']:.0f} s on {manifest['threads']} thread(s)"
+    print(f"llama-server of {manifest['requirement']}: {manifest['server']} ({how})")
+    atomic_write_text(args.out, json.dumps(manifest, indent=2) + "\n")
+
+
 def serve_env(args, s) -> None:
     from dflash.io import atomic_write_text
     from dflash.vllm_env import build_env
@@ -234,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add(sub, "report", "the run's plots and its report page", report, {}, paths)
     p.add_argument("--config-values", type=_json_object, default={}, help="the config's key values to show, by dotted key, as JSON")
     _add(sub, "check-report", "the report page in headless Chromium: images loaded, no overflow, a screenshot", check_report, {}, ["page", "screenshot", "out"])
+    _add(sub, "llamacpp-build", "llama.cpp's llama-server from its pinned source, once per source and CPU, into the cache", llamacpp_build, {}, ["out"])
     p = _add(sub, "serve-env", "build vLLM's own environment (serve.requirements)", serve_env, {"serve": C.ServeConfig}, ["env", "out"])
     p.add_argument("--optional", action="store_true", help="record a failure in --out and exit 0 (data.generation.engine: auto)")
     sections = {"serve": C.ServeConfig, "eval": C.EvalConfig, "topology": C.TopologyConfig}

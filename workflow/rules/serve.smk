@@ -1,5 +1,6 @@
-# vLLM: its environment (also regeneration's, under data.generation.engine: vllm or auto), and the opt-in checks after
-# train, not part of `all`: `snakemake --cores 1 serve_check` (the trained drafter in vLLM) and serve_regeneration.
+# The engines a trained drafter is served in. vLLM: its environment (also regeneration's, under data.generation.engine:
+# vllm or auto), and the opt-in checks after train, not part of `all`: `snakemake --cores 1 serve_check` (the trained
+# drafter in vLLM) and serve_regeneration. llama.cpp: `snakemake --cores 1 llamacpp_build`, opt-in.
 
 
 # vLLM pins a transformers older than the project's: it gets a virtual environment of its own.
@@ -79,3 +80,21 @@ rule serve_regeneration:
         "python -m dflash serve-regeneration --serve {params.serve:q} --eval {params.eval:q} --data {params.data:q} "
         "--topology {params.topology:q} --env-manifest {input.env_manifest} --target-manifest {input.manifest} "
         "--heldout {input.heldout} --out {output} > {log} 2>&1"
+
+
+# llama.cpp's llama-server, built from the source the pinned llama-cpp-python sdist vendors (dflash/llamacpp.py) into
+# the cache ($DFLASH_CACHE_DIR/llama.cpp), once per source and CPU; the manifest says where it is and how long it took.
+rule llamacpp_build:
+    input:
+        stage("llamacpp-build"),
+    output:
+        f"{RESULTS}/serve/llamacpp.json",
+    conda:
+        ENV
+    log:
+        f"{LOGS}/llamacpp_build.log",
+    benchmark:
+        f"{BENCHMARKS}/llamacpp_build.tsv",
+    shell:
+        "python -m dflash llamacpp-build --out {output} > {log} 2>&1"
+

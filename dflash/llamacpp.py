@@ -1,0 +1,160 @@
+"""llama.cpp's ``llama-server``, built here from a pinned source, once per source and CPU.
+
+No prebuilt ``llama-server`` is reachable from these machines, and the Python binding on PyPI
+(``llama-cpp-python``) does not expose DFlash; its sdist vendors llama.cpp's source, which does
+(``src/models/dflash.cpp``, the ``draft-dflash`` speculative type, ``convert_hf_to_gguf.py``). So the sdist is
+fetched with ``pip download`` (never installed), checked against its sha256, and its vendored source built with
+cmake for the CPU, ``llama-server`` only, into ``<cache>/llama.cpp/<key>``. The key covers the source's sha256,
+the cmake flags and targets and, as ``GGML_NATIVE`` compiles for the CPU at hand, that CPU's model and flags: a
+later run on the same kind of machine reuses the build, and the pin, the flags or the CPU changing rebuilds.
+The source tree stays beside the build: its converter and ``gguf-py`` turn checkpoints into GGUF files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+from dflash.acquire import cache_root
+from dflash.config import cpu_threads
+from dflash.errors import PreflightError
+from dflash.io import atomic_path
+
+log = logging.getLogger(__name__)
+
+SDIST = {
+    "requirement": "llama-cpp-python==0.3.36",
+    "filename": "llama_cpp_python-0.3.36.tar.gz",
+    "sha256": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+    "vendored": "llama_cpp_python-0.3.36/vendor/llama.cpp",
+}
+# CPU only, no tests or examples; the web UI from source (the prebuilt one is downloaded, and waits out its
+# time-outs where the network is closed); one static binary that runs wherever the cache is.
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DGGML_CUDA=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+)
+TARGETS = ("llama-server",)
+MANIFEST = "dflash-llamacpp.json"  # written last: a build directory without it is incomplete
+BUILD_TIMEOUT_S = 3 * 3600
+
+
+def cpu_description() -> tuple[str, str]:
+    """The CPU a native build is compiled for: its model name, and its instruction-set flags."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in info.splitlines()) if v}
+    return f"{platform.machine()} {fields.get('model name', platform.processor())}", fields.get("flags", "")
+
+
+def build_key(
+    sha256: str = SDIST["sha256"], flags: tuple[str, ...] = CMAKE_FLAGS, targets: tuple[str, ...] = TARGETS, cpu: tuple[str, str] | None = None
+) -> str:
+    """The cache's name for one build: the source's digest, then a digest of the flags, targets and CPU."""
+    config = json.dumps({"flags": flags, "targets": targets, "cpu": cpu or cpu_description()}, sort_keys=True)
+    return f"{sha256[:16]}-{hashlib.sha256(config.encode()).hexdigest()[:12]}"
+
+
+def fetch_sdist(workdir: Path) -> Path:
+    """The pinned sdist, downloaded into ``workdir`` and checked against its sha256."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-q", "-d", str(workdir), SDIST["requirement"]]
+    result = subprocess.run(command, capture_output=True, text=True)
+    sdist = workdir / SDIST["filename"]
+    if not sdist.is_file():
+        raise PreflightError(
+            f"could not download {SDIST['requirement']}'s sdist from the package index (pip exit {result.returncode}): "
+            f"{result.stderr.strip()[-1500:]}\nllama.cpp is built from the source it vendors: the build needs PyPI once"
+        )
+    digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
+    if digest != SDIST["sha256"]:
+        raise PreflightError(f"{sdist.name} has sha256 {digest}, expected {SDIST['sha256']}: refusing a changed source")
+    return sdist
+
+
+def _run(command: list[str], what: str, log_path: Path) -> None:
+    with open(log_path, "a") as out:
+        out.write(f"$ {' '.join(command)}\n")
+        out.flush()
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=BUILD_TIMEOUT_S)
+    if done.returncode:
+        tail = "\n".join(log_path.read_text().strip().splitlines()[-20:])
+        raise PreflightError(f"{what} failed (exit status {done.returncode}); its log: {log_path}\n{tail}")
+
+
+def _extract_source(sdist: Path, into: Path) -> None:
+    prefix = SDIST["vendored"] + "/"
+    with tarfile.open(sdist) as archive:
+        members = [m for m in archive.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())]
+        for member in members:
+            member.name = member.name[len(prefix) :]
+        archive.extractall(into, members=[m for m in members if m.name], filter="data")
+
+
+def _require_tools() -> None:
+    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+    if missing:
+        raise PreflightError(f"building llama.cpp needs {' and '.join(missing)} on PATH: `apt-get install cmake g++` (Debian, Ubuntu)")
+
+
+def _probe(server: Path) -> str:
+    """``llama-server --help``, which must offer DFlash drafting."""
+    done = subprocess.run([str(server), "--help"], capture_output=True, text=True, timeout=60)
+    if "draft-dflash" not in done.stdout + done.stderr:
+        raise PreflightError(f"{server} --help does not list the draft-dflash speculative type: is {SDIST['requirement']} the pinned source?")
+    return done.stdout + done.stderr
+
+
+def build_llama_server(root: Path | None = None) -> dict:
+    """``llama-server`` built once into the cache (``$DFLASH_CACHE_DIR/llama.cpp/<build_key()>``), or the build already
+    there: its manifest (binary, source and converter paths, the build's flags and seconds, ``reused``)."""
+    directory = (root or cache_root() / "llama.cpp") / build_key()
+    if (directory / MANIFEST).is_file():
+        manifest = json.loads((directory / MANIFEST).read_text())
+        _probe(Path(manifest["server"]))
+        return manifest | {"reused": True}
+    _require_tools()
+    with atomic_path(directory) as staging, tempfile.TemporaryDirectory(prefix="dflash-llamacpp-") as tmp:
+        staging.mkdir()
+        log_path = staging / "build.log"
+        log.info("fetching %s", SDIST["requirement"])
+        _extract_source(fetch_sdist(Path(tmp)), staging / "src")
+        build, threads = Path(tmp) / "build", cpu_threads()
+        start = time.perf_counter()
+        _run(["cmake", "-S", str(staging / "src"), "-B", str(build), *CMAKE_FLAGS], "configuring llama.cpp", log_path)
+        configured = time.perf_counter() - start
+        log.info("building %s on %d thread(s); the log: %s", ", ".join(TARGETS), threads, log_path)
+        _run(["cmake", "--build", str(build), "--target", *TARGETS, "-j", str(threads)], f"building {', '.join(TARGETS)}", log_path)
+        seconds = time.perf_counter() - start
+        # The static binaries alone: the build tree's objects are hundreds of MB that nothing reads again.
+        (staging / "bin").mkdir()
+        for target in TARGETS:
+            shutil.copy2(build / "bin" / target, staging / "bin" / target)
+        _probe(staging / "bin" / "llama-server")
+        manifest = {
+            "server": str(directory / "bin" / "llama-server"),
+            "source": str(directory / "src"),
+            "converter": str(directory / "src" / "convert_hf_to_gguf.py"),
+            "gguf_py": str(directory / "src" / "gguf-py"),
+            **{k: SDIST[k] for k in ("requirement", "sha256")},
+            "cmake_flags": list(CMAKE_FLAGS),
+            "targets": list(TARGETS),
+            "cpu": cpu_description()[0],
+            "threads": threads,
+            "configure_seconds": round(configured, 1),
+            "build_seconds": round(seconds, 1),
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest | {"reused": False}
