@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
 import shutil
 import subprocess
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from dflash.acquire import cache_root
 from dflash.config import cpu_threads
-from dflash.errors import PreflightError
+from dflash.errors import InputError, PreflightError
 from dflash.io import atomic_path
 
 log = logging.getLogger(__name__)
@@ -158,3 +159,76 @@ def build_llama_server(root: Path | None = None) -> dict:
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest | {"reused": False}
+
+
+# The vendored converter, run in a child process with the vendored gguf-py ahead of any installed one. llama.cpp
+# names a BPE tokenizer's pre-tokenizer by the hash of a fixed text's token ids; a tokenizer it has never seen
+# (a test's tiny one) stops the conversion. With ``unknown_pretokenizer_as_default`` the GGUF gets llama.cpp's
+# default pre-tokenizer instead: right only where prompts reach the server as token ids, never as text.
+_CONVERT = """
+import logging, runpy, sys
+source, default_pre, argv = sys.argv[1], sys.argv[2] == "1", sys.argv[3:]
+sys.path[:0] = [source + "/gguf-py", source]
+if default_pre:
+    from conversion.base import TextModel
+    recognised = TextModel.get_vocab_base_pre
+    def get_vocab_base_pre(self, tokenizer):
+        try:
+            return recognised(self, tokenizer)
+        except NotImplementedError:
+            logging.getLogger("dflash").warning("the BPE pre-tokenizer is unknown to llama.cpp: writing 'default'")
+            return "default"
+    TextModel.get_vocab_base_pre = get_vocab_base_pre
+sys.argv = [source + "/convert_hf_to_gguf.py", *argv]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def convert_to_gguf(model_dir: Path, out: Path, build: dict, target_dir: Path | None = None, unknown_pretokenizer_as_default: bool = False) -> Path:
+    """``model_dir`` (a transformers checkpoint, or a drafter with ``target_dir``, its target) as an f32 GGUF at ``out``,
+    by the converter of ``build`` (``build_llama_server()``'s manifest). The file appears only once complete."""
+    argv = [str(model_dir), "--outtype", "f32"] + (["--target-model-dir", str(target_dir)] if target_dir else [])
+    with atomic_path(out) as staging:
+        command = [sys.executable, "-c", _CONVERT, build["source"], str(int(unknown_pretokenizer_as_default)), *argv, "--outfile", str(staging)]
+        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "NO_LOCAL_GGUF": "1"})
+        if done.returncode or not staging.is_file():
+            lines = (done.stdout + done.stderr).strip().splitlines() or ["no output"]
+            hint = ""
+            if "pre-tokenizer was not recognized" in lines[-1]:
+                hint = " (a tokenizer llama.cpp does not know: llama-server could take its prompts as token ids only)"
+            raise InputError(f"llama.cpp's converter could not convert {model_dir} (exit status {done.returncode}): {lines[-1]}{hint}")
+    return out
+
+
+def gguf_fields(path: Path, build: dict, prefix: str = "") -> dict:
+    """The key-value metadata of the GGUF at ``path`` whose key starts with ``prefix``, read by the vendored gguf-py."""
+    script = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); from gguf import GGUFReader; "
+        "r = GGUFReader(sys.argv[2]); print(json.dumps({k: f.contents() for k, f in r.fields.items() if k.startswith(sys.argv[3])}))"
+    )
+    done = subprocess.run([sys.executable, "-c", script, build["gguf_py"], str(path), prefix], capture_output=True, text=True)
+    if done.returncode:
+        raise InputError(f"{path} is not a GGUF file llama.cpp's gguf-py reads: {done.stderr.strip()[-500:]}")
+    return json.loads(done.stdout)
+
+
+def convert_drafter(drafter_dir: Path, target_dir: Path, out: Path, build: dict, unknown_pretokenizer_as_default: bool = False) -> dict:
+    """The drafter as a ``dflash`` GGUF, checked to carry what decoding with it depends on: its block size, the target
+    layers it reads (llama.cpp counts from the embeddings, so our ids + 1) and its mask token. Returns those fields."""
+    config = json.loads((drafter_dir / "config.json").read_text())
+    dflash_config = config.get("dflash_config", {})
+    expected = {
+        "general.architecture": "dflash",
+        "dflash.block_size": config["block_size"],
+        "dflash.target_layers": [i + 1 for i in dflash_config["target_layer_ids"]],
+        "tokenizer.ggml.mask_token_id": dflash_config["mask_token_id"],
+    }
+    convert_to_gguf(drafter_dir, out, build, target_dir, unknown_pretokenizer_as_default)
+    fields = gguf_fields(out, build)
+    carried = {key: fields.get(key) for key in expected}
+    wrong = {key: (value, carried[key]) for key, value in expected.items() if carried[key] != value}
+    if wrong:
+        out.unlink()
+        named = "; ".join(f"{key}: the drafter has {ours!r}, the GGUF {theirs!r}" for key, (ours, theirs) in wrong.items())
+        raise InputError(f"{out.name} does not carry {drafter_dir}'s DFlash settings ({named}): llama.cpp would draft differently")
+    return carried

@@ -11,9 +11,10 @@ import tarfile
 import time
 
 import pytest
+import torch
 
 from dflash import llamacpp
-from dflash.errors import PreflightError
+from dflash.errors import InputError, PreflightError
 
 
 def test_the_build_key_changes_with_the_source_the_flags_the_targets_and_the_cpu():
@@ -93,3 +94,72 @@ def test_llama_server_is_built_once_and_offers_dflash_drafting():
     help_text = subprocess.run([first["server"], "--help"], capture_output=True, text=True, timeout=60).stdout
     assert "draft-dflash" in help_text and "--spec-draft-n-max" in help_text
     assert (llamacpp.Path(first["converter"])).is_file() and (llamacpp.Path(first["gguf_py"]) / "gguf").is_dir()
+
+
+def _drafter_dir(tmp_path, config: dict):
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps(config))
+    return drafter
+
+
+def test_a_gguf_that_loses_a_dflash_setting_is_named_and_removed(tmp_path, monkeypatch):
+    """The converter wrote a block size of 16 for a drafter of block 4: decoding in llama.cpp would differ from ours."""
+    drafter = _drafter_dir(tmp_path, {"block_size": 4, "dflash_config": {"target_layer_ids": [1, 8], "mask_token_id": 16}})
+    out = tmp_path / "drafter.gguf"
+    monkeypatch.setattr(llamacpp, "convert_to_gguf", lambda *args: out.write_bytes(b"GGUF"))
+    written = {"general.architecture": "dflash", "dflash.block_size": 16, "dflash.target_layers": [2, 9], "tokenizer.ggml.mask_token_id": 16}
+    monkeypatch.setattr(llamacpp, "gguf_fields", lambda path, build: written)
+    with pytest.raises(InputError, match=r"dflash.block_size: the drafter has 4, the GGUF 16\): llama.cpp would draft differently"):
+        llamacpp.convert_drafter(drafter, tmp_path / "target", out, {})
+    assert not out.exists()
+
+
+def test_the_gguf_counts_target_layers_from_the_embeddings(tmp_path, monkeypatch):
+    drafter = _drafter_dir(tmp_path, {"block_size": 4, "dflash_config": {"target_layer_ids": [1, 8, 14], "mask_token_id": 16}})
+    monkeypatch.setattr(llamacpp, "convert_to_gguf", lambda *args: None)
+    written = {"general.architecture": "dflash", "dflash.block_size": 4, "dflash.target_layers": [2, 9, 15], "tokenizer.ggml.mask_token_id": 16}
+    monkeypatch.setattr(llamacpp, "gguf_fields", lambda path, build: written | {"dflash.embedding_length": 64})
+    assert llamacpp.convert_drafter(drafter, tmp_path / "target", tmp_path / "d.gguf", {}) == written
+
+
+@pytest.mark.llamacpp
+def test_a_drafter_and_its_target_convert_to_gguf_carrying_the_drafters_settings(tmp_path):
+    """The tests' tiny chat target and a drafter saved by ``save_pretrained``, through the vendored converter. The tiny
+    tokenizer's pre-tokenizer is unknown to llama.cpp, hence ``unknown_pretokenizer_as_default``; the export itself is
+    left as it was, so vLLM, the authors' package and our loader read it unchanged."""
+    from conftest import build_drafter
+    from tiny_chat_target import build_tiny_chat_target
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.model import DFlashDrafter
+
+    target_dir = build_tiny_chat_target(tmp_path / "target")
+    config = AutoConfig.from_pretrained(target_dir)
+    drafter = build_drafter(config, mask_token_id=config.vocab_size - 1, block_size=4)
+    drafter.save_pretrained(tmp_path / "drafter", AutoModelForCausalLM.from_pretrained(target_dir).lm_head.weight)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "drafter").iterdir()}
+    build = llamacpp.build_llama_server()
+
+    fields = llamacpp.convert_drafter(tmp_path / "drafter", target_dir, tmp_path / "drafter.gguf", build, unknown_pretokenizer_as_default=True)
+    assert fields == {
+        "general.architecture": "dflash",
+        "dflash.block_size": 4,
+        "dflash.target_layers": [i + 1 for i in drafter.config.target_layer_ids],
+        "tokenizer.ggml.mask_token_id": config.vocab_size - 1,
+    }
+    target = llamacpp.convert_to_gguf(target_dir, tmp_path / "target.gguf", build, unknown_pretokenizer_as_default=True)
+    assert llamacpp.gguf_fields(target, build, "llama.")["llama.vocab_size"] == config.vocab_size
+    assert {p.name: p.read_bytes() for p in (tmp_path / "drafter").iterdir()} == before
+    reloaded = DFlashDrafter.from_pretrained(tmp_path / "drafter")
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), drafter.state_dict().values()))
+
+
+@pytest.mark.llamacpp
+def test_a_tokenizer_unknown_to_llamacpp_is_refused_naming_the_converters_error(tmp_path):
+    from tiny_chat_target import build_tiny_chat_target
+
+    target_dir = build_tiny_chat_target(tmp_path / "target")
+    with pytest.raises(InputError, match=r"could not convert .*target \(exit status 1\): NotImplementedError: BPE pre-tokenizer was not recognized"):
+        llamacpp.convert_to_gguf(target_dir, tmp_path / "target.gguf", llamacpp.build_llama_server())
+    assert not (tmp_path / "target.gguf").exists()
