@@ -124,6 +124,31 @@ def llamacpp_build(args, s) -> None:
     atomic_write_text(args.out, json.dumps(manifest, indent=2) + "\n")
 
 
+def llamacpp_convert(args, s) -> None:
+    from dflash.io import atomic_write_text
+    from dflash.llamacpp import convert_for_serving
+    from dflash.target import manifest_location
+
+    target_dir = Path(manifest_location(json.loads(args.target_manifest.read_text())))
+    manifest = convert_for_serving(json.loads(args.build.read_text()), target_dir, args.drafter, args.out.parent)
+    print(f"GGUF: {manifest['target']} and {manifest['drafter']} ({manifest['drafter_fields']}), in {manifest['seconds']:.0f} s")
+    atomic_write_text(args.out, json.dumps(manifest, indent=2) + "\n")
+
+
+def llamacpp_check(args, s) -> None:
+    import torch
+
+    from dflash.preflight.gate import first_device
+    from dflash.serving import run_llamacpp_check
+    from dflash.target import load_from_manifest
+
+    target = load_from_manifest(args.target_manifest, device=first_device(s["topology"]), dtype=getattr(torch, s["eval"].target_dtype))
+    build, ggufs = json.loads(args.build.read_text()), json.loads(args.ggufs.read_text())
+    summary = run_llamacpp_check(s["serve"], s["eval"], build, ggufs, target, args.drafter, args.heldout, args.out_dir)
+    result = summary["acceptance"]
+    print(f"τ llama.cpp {result['llamacpp']['tau']:.3f}, ours over the whole vocabulary {result['ours_full_vocab']['tau']:.3f}; agree: {result['agree']}")
+
+
 def serve_env(args, s) -> None:
     from dflash.io import atomic_write_text
     from dflash.vllm_env import build_env
@@ -245,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config-values", type=_json_object, default={}, help="the config's key values to show, by dotted key, as JSON")
     _add(sub, "check-report", "the report page in headless Chromium: images loaded, no overflow, a screenshot", check_report, {}, ["page", "screenshot", "out"])
     _add(sub, "llamacpp-build", "llama.cpp's llama-server from its pinned source, once per source and CPU, into the cache", llamacpp_build, {}, ["out"])
+    paths = ["build", "target_manifest", "drafter", "out"]
+    _add(sub, "llamacpp-convert", "the target and the trained drafter as GGUF files, beside --out", llamacpp_convert, {}, paths)
+    sections = {"serve": C.ServeConfig, "eval": C.EvalConfig, "topology": C.TopologyConfig}
+    paths = ["build", "ggufs", "target_manifest", "drafter", "heldout", "out_dir"]
+    _add(sub, "llamacpp-check", "the trained drafter in llama.cpp: acceptance against ours, outputs, tokens/s", llamacpp_check, sections, paths)
     p = _add(sub, "serve-env", "build vLLM's own environment (serve.requirements)", serve_env, {"serve": C.ServeConfig}, ["env", "out"])
     p.add_argument("--optional", action="store_true", help="record a failure in --out and exit 0 (data.generation.engine: auto)")
     sections = {"serve": C.ServeConfig, "eval": C.EvalConfig, "topology": C.TopologyConfig}

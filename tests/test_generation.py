@@ -22,6 +22,7 @@ from tiny_chat_target import build_tiny_inputs
 from dflash.config import GenerationConfig, ServerConfig
 from dflash.errors import InputError
 from dflash.generation import ServerEngine
+from dflash.local_server import free_port
 from dflash.target import Target, write_manifest
 
 pytestmark = pytest.mark.slow
@@ -120,12 +121,6 @@ def test_a_killed_regeneration_resumes_from_its_complete_chunks(tmp_path, inputs
 
 
 # -- a real inference server -------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

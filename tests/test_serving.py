@@ -22,7 +22,7 @@ from test_decode import CONSTANT, constant_drafter, constant_target
 from dflash.config import ServeConfig
 from dflash.decoding.generate import speculative_generate
 from dflash.model import DFlashDrafter
-from dflash.serving import RUNNER, acceptance, differences, drafter_over_full_vocab, first_difference, run_vllm, vllm_acceptance
+from dflash.serving import RUNNER, acceptance, differences, drafter_over_full_vocab, engine_acceptance, first_difference, run_vllm
 from dflash.vocab import FILE_NAME as VOCAB_FILE
 from dflash.vocab import DraftVocab
 
@@ -32,18 +32,18 @@ def test_our_acceptance_is_pooled_over_verify_steps():
     assert ours == {"tau": 2.0, "per_position": [0.5, 0.25, 0.25], "steps": 4}
 
 
-def test_vllms_acceptance_comes_from_its_counters():
+def test_an_engines_acceptance_comes_from_its_counters():
     rows = [
         {"drafts": 3, "draft_tokens": 9, "accepted_tokens": 4, "accepted_per_position": [2, 1, 1]},
         {"drafts": 1, "draft_tokens": 3, "accepted_tokens": 0, "accepted_per_position": []},
     ]
-    assert vllm_acceptance(rows, block_size=4) == {"tau": 2.0, "per_position": [0.5, 0.25, 0.25], "steps": 4}
+    assert engine_acceptance(rows, block_size=4) == {"tau": 2.0, "per_position": [0.5, 0.25, 0.25], "steps": 4}
 
 
 def test_differences_beyond_the_tolerance_are_named():
     ours = {"tau": 2.0, "per_position": [0.5, 0.3, 0.05]}
-    assert differences(ours, {"tau": 2.15, "per_position": [0.46, 0.28, 0.04]}, 0.10) == []
-    found = differences(ours, {"tau": 1.5, "per_position": [0.5, 0.2, 0.2]}, 0.10)
+    assert differences(ours, {"tau": 2.15, "per_position": [0.46, 0.28, 0.04]}, 0.10, "vLLM") == []
+    found = differences(ours, {"tau": 1.5, "per_position": [0.5, 0.2, 0.2]}, 0.10, "vLLM")
     assert found == [
         "mean acceptance length: vLLM 1.500, ours 2.000",
         "acceptance at draft position 2: vLLM 0.200, ours 0.300",
@@ -133,7 +133,7 @@ def test_vllm_accepts_an_oracle_drafter_in_full_and_a_wrong_one_never(tmp_path, 
         constant_drafter(target, sign, block_size=4).save_pretrained(tmp_path / name)
         result = run_vllm(vllm_python, name, _request(tmp_path / "target", prompts, 13, tmp_path / name, 4), tmp_path, 900)
         assert [row["tokens"] for row in result["prompts"]] == [[CONSTANT] * 13] * 2, name
-        theirs = vllm_acceptance(result["prompts"], 4)
+        theirs = engine_acceptance(result["prompts"], 4)
         ours = acceptance([n for p in prompts for n in speculative_generate(target, constant_drafter(target, sign, 4), p, 13).stats.acceptance_lengths], 4)
         assert theirs["tau"] == ours["tau"] == expected_tau, (name, theirs, ours)
         assert theirs["per_position"] == ours["per_position"] == [expected_rate] * 3, (name, theirs, ours)
@@ -156,8 +156,8 @@ def test_vllm_and_our_decoding_agree_on_a_trained_looking_drafter(tmp_path, vllm
         ours = speculative_generate(target, drafter, prompt, 24, block_size=4)
         assert row["tokens"] == ours.tokens.tolist() == speculative_generate(target, None, prompt, 24).tokens.tolist()
         lengths += ours.stats.acceptance_lengths
-    ours, theirs = acceptance(lengths, 4), vllm_acceptance(result["prompts"], 4)
-    assert differences(ours, theirs, ServeConfig().tolerance) == [], (ours, theirs)
+    ours, theirs = acceptance(lengths, 4), engine_acceptance(result["prompts"], 4)
+    assert differences(ours, theirs, ServeConfig().tolerance, "vLLM") == [], (ours, theirs)
 
 
 @pytest.mark.vllm

@@ -212,8 +212,9 @@ def test_default_config_dry_run_of_train(tmp_path):
         (["--cores", "1"], ALL_JOBS),
         (["repro_fx_race"], {"env_check", "smoke_imports", "repro_fx_race"}),  # no --cores: the default profile gives one
         (["--cores", "1", "llamacpp_build"], {"llamacpp_build"}),  # opt-in, and needs nothing of a run
+        (["--cores", "1", "llamacpp_check"], TRAIN_JOBS | {"llamacpp_build", "llamacpp_convert", "llamacpp_check"}),  # opt-in, after train
     ],
-    ids=["train", "evaluate", "everything", "repro_fx_race", "llamacpp_build"],
+    ids=["train", "evaluate", "everything", "repro_fx_race", "llamacpp_build", "llamacpp_check"],
 )
 def test_dry_run_of_each_entry_point(tmp_path, tiny, test_config, args, expected):
     workdir = make_workdir(tmp_path / "work", test_config, tiny)
