@@ -294,14 +294,13 @@ class LlamaServer:
         reply = json.loads(self._call("/completion", body))
         seconds = time.perf_counter() - start
         after = self.counters()
-        positions = max(len(before["accepted_per_position"]), len(after["accepted_per_position"]))
-        pad = lambda counts: counts + [0] * (positions - len(counts))  # noqa: E731
+        earlier = before["accepted_per_position"]  # the per-position series appear with the first draft, never shrink
         return {
             "tokens": reply["tokens"],
             "seconds": seconds,
             "stop_type": reply.get("stop_type"),
             **{key: after[key] - before[key] for key in COUNTERS},
-            "accepted_per_position": [a - b for a, b in zip(pad(after["accepted_per_position"]), pad(before["accepted_per_position"]))],
+            "accepted_per_position": [n - (earlier[k] if k < len(earlier) else 0) for k, n in enumerate(after["accepted_per_position"])],
         }
 
 
