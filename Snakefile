@@ -20,6 +20,17 @@ include: "workflow/rules/report.smk"
 include: "workflow/rules/serve.smk"
 
 
+# Under the SLURM executor, why a submitted job waits (a node down, a partition limit) goes into this log, which the
+# executor's own status checks never say (dflash/slurm_queue.py).
+onstart:
+    if getattr(workflow.executor_plugin, "name", None) == "slurm":
+        from snakemake.logging import logger
+
+        from dflash.slurm_queue import watch_pending
+
+        watch_pending(Path(workflow.workdir_init), logger.warning)
+
+
 rule all:
     default_target: True
     input:

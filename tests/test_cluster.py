@@ -16,6 +16,7 @@ sets) they fail instead.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -41,10 +42,13 @@ pytestmark = pytest.mark.slurm
 CLUSTER = ROOT / "tests" / "cluster" / "cluster.sh"
 SITE_PROFILE = ROOT / "tests" / "cluster" / "profile"
 OVERLAY = "config/slurm-cpu-2x1.yaml"
+SPLIT_OVERLAY = "config/slurm-cpu-split-2x2.yaml"
 CONFIGS = ["--configfile", "config/config.yaml", OVERLAY]
 NODES = ("dflash-n1", "dflash-n2")
 WEIGHT_ATOL = 1e-5  # as tests/test_distributed.py: only float summation orders differ
 # Long enough to cancel after a checkpoint and before the end; checkpoints often enough that the rerun resumes.
+# Every stage but the local rules (prepare_target, all), each submitted as a job of its own.
+STAGES_ON_NODES = ("env_check", "smoke_imports", "repro_fx_race", "prepare_data", "warmup_cache", "train", "evaluate", "report")
 LONG_TRAIN = {"epochs": 150, "checkpoint_every": 25, "validate_every": 100, "log_every": 10}
 
 
@@ -121,17 +125,54 @@ def cluster():
     cluster_sh("down")
 
 
+PROFILES = ["--profile", "workflow/profiles/slurm", "--profile", str(SITE_PROFILE)]
+_SUBMITTED = re.compile(r"^Job \d+ has been submitted with SLURM jobid (\d+) \(log: \S*/slurm_logs/rule_(\w+)/", re.MULTILINE)
+_RULE_HEADER = re.compile(r"^(local)?rule (\w+):$", re.MULTILINE)
+
+
+def workflow_command(*args: str, configs: list[str] = CONFIGS) -> list[str]:
+    """``snakemake --profile workflow/profiles/slurm --profile tests/cluster/profile ARGS`` on the submit host (the
+    controller's namespace), as a user of the cluster runs it: the executor submits each job with sbatch and follows
+    it with squeue."""
+    return ["ip", "netns", "exec", "dflash-ctl", str(SNAKEMAKE), *PROFILES, *args, *configs]  # --configfile takes every word after it
+
+
+def run_workflow(workdir: Path, env: dict, *args: str, configs: list[str] = CONFIGS, timeout: float = 900) -> subprocess.CompletedProcess:
+    start = time.monotonic()
+    result = subprocess.run(workflow_command(*args, configs=configs), cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    result.seconds = time.monotonic() - start
+    result.output = result.stdout + result.stderr
+    assert result.returncode == 0, f"snakemake {' '.join(args)} exited {result.returncode}:\n{readable(result.output, 120)}"
+    return result
+
+
+def submitted(result: subprocess.CompletedProcess) -> dict[str, str]:
+    """The rule of each job the run submitted to SLURM, by SLURM job id (from the SLURM log path the executor names)."""
+    return {job_id: rule for job_id, rule in _SUBMITTED.findall(result.output)}
+
+
+def ran_locally(result: subprocess.CompletedProcess) -> set[str]:
+    return {m.group(2) for m in _RULE_HEADER.finditer(result.output) if m.group(1)}
+
+
+def slurm_records() -> dict[str, dict[str, str]]:
+    """slurmctld's record of every job it still holds (MinJobAge), by job id: each job's comment (the executor's
+    ``rule_<name>``), state, nodes, CPUs, memory and time limit as sbatch asked, and its elapsed time."""
+    fields = ("id", "comment", "state", "nodes", "cpus", "memory", "limit", "elapsed", "nodelist")
+    shown = cluster_sh("submit", "squeue", "--states=all", "--noheader", "--format=%i|%k|%T|%D|%C|%m|%l|%M|%N").stdout
+    return {row[0]: dict(zip(fields, row)) for row in (line.split("|") for line in shown.splitlines())}
+
+
 @pytest.fixture(scope="module")
 def prepared(cluster, tmp_path_factory):
-    """A project whose stages before train have run on the submit host: prepare_data on one process (its data does
-    not depend on the topology), then the preflight stages with the two-node overlay."""
+    """The whole workflow, run from nothing on the cluster through the repository's SLURM profile and the cluster's site
+    values: the local rules on the submit host, every other job submitted by the executor."""
     base = tmp_path_factory.mktemp("cluster")
     workdir = make_workdir(base / "work", yaml.safe_load(TEST_CONFIG.read_text()), build_tiny_inputs(base / "tiny"))
-    shutil.copy2(ROOT / OVERLAY, workdir / OVERLAY)
+    for overlay in (OVERLAY, SPLIT_OVERLAY):
+        shutil.copy2(ROOT / overlay, workdir / overlay)
     env = snakemake_env(base / "scratch")
-    run_snakemake(workdir, env, "--cores", "2", "prepare_data")
-    run_snakemake(workdir, env, "--cores", "2", "train", "--omit-from", "train", *CONFIGS)
-    return {"workdir": workdir, "env": env, "base": base}
+    return {"workdir": workdir, "env": env, "base": base, "run": run_workflow(workdir, env)}
 
 
 def config_of(workdir: Path, **overrides: dict) -> dict:
@@ -177,7 +218,8 @@ def assert_same_drafter(trained: Path, reference: Path) -> None:
 def profile_request(prepared: dict, *config: str) -> list[str]:
     """The sbatch options the SLURM profile asks for the train job: the rule's resources as a dry run with the
     repository's profile and the cluster's site values plans them."""
-    args = ["train", "-n", "--profile", "workflow/profiles/slurm", "--profile", str(SITE_PROFILE), *CONFIGS, *config]
+    # --forcerun: the plan of a train job, whether or not the workflow has run train already.
+    args = ["train", "-n", "--forcerun", "train", *PROFILES, *CONFIGS, *config]
     planned = dict(_planned_resources(run_snakemake(prepared["workdir"], prepared["env"], *args, timeout=300)))
     train = planned["train"]
     assert train.get("mpi") == "srun" and train.get("tasks_per_gpu") == "0", train  # the job's shell starts its own tasks
@@ -245,22 +287,100 @@ def request_for_train(prepared) -> list[str]:
     return profile_request(prepared)
 
 
-def test_one_training_job_on_two_nodes_equals_one_process(prepared, request_for_train):
-    job = Job(prepared, "train-2-nodes", request_for_train)
-    record = job.wait()
-    assert record["JobState"] == "COMPLETED", job.log()
-    assert (record["NumNodes"], record["NodeList"]) == ("2", "dflash-n[1-2]"), record
-    log = job.train_log()
-    # The launcher on the first node, one torchrun per node, the rendezvous at the first node.
-    assert re.search(
-        rf"launch: SLURM job {job.id} on dflash-n1,dflash-n2, 2 x 1 processes, rendezvous at dflash-n1:{29500 + int(job.id) % 1000}$", log, re.M
-    ), log
-    for rank, node in enumerate(NODES):
-        assert re.search(rf"rank {rank} of 2 \(drafter, local rank 0\) on host {node}$", log, re.MULTILINE), readable(log)
-    summary = json.loads((prepared["workdir"] / "results" / "train" / "summary.json").read_text())
+def test_the_whole_workflow_runs_through_the_slurm_executor_and_equals_one_process(prepared):
+    """Local rules on the submit host; the preflight jobs, evaluate and the report each a job of one node;
+    prepare_data and train each one job of both nodes, started by the launcher, with a rank on each; the drafter equal
+    to one process's on the same data, and every evaluation arm lossless."""
+    run, workdir = prepared["run"], prepared["workdir"]
+    jobs = submitted(run)
+    assert sorted(jobs.values()) == sorted(STAGES_ON_NODES), readable(run.output, 120)
+    assert ran_locally(run) == {"prepare_target", "all"}, readable(run.output, 120)
+    records = slurm_records()
+    for job_id, rule in jobs.items():
+        record = records[job_id]
+        assert (record["comment"], record["state"]) == (f"rule_{rule}", "COMPLETED"), record
+        expected = ("2", "dflash-n[1-2]") if rule in ("prepare_data", "train") else ("1", None)
+        assert record["nodes"] == expected[0] and expected[1] in (None, record["nodelist"]), record
+    for rule in ("prepare_data", "train"):
+        job_id = next(job for job, r in jobs.items() if r == rule)
+        log = (workdir / "results" / "logs" / f"{rule}.log").read_text()
+        # The launcher on the first node, one torchrun per node, the rendezvous at the first node.
+        assert re.search(
+            rf"^launch: SLURM job {job_id} on dflash-n1,dflash-n2, 2 x 1 processes, rendezvous at dflash-n1:{29500 + int(job_id) % 1000}$", log, re.M
+        ), readable(log)
+        for rank, node in enumerate(NODES):
+            assert re.search(rf"rank {rank} of 2 \(drafter, local rank 0\) on host {node}$", log, re.MULTILINE), readable(log)
+    summary = json.loads((workdir / "results" / "train" / "summary.json").read_text())
     assert summary["topology"] == "colocated 2x1 cpu"
-    print(f"train on 2 nodes: {job.seconds:.0f} s from sbatch to the end")
-    assert_same_drafter(prepared["workdir"] / "results" / "train" / "drafter" / "model.safetensors", train_one_process(prepared, "one-process"))
+    evaluation = list(csv.DictReader((workdir / "results" / "eval" / "summary.csv").open()))
+    assert evaluation and all(row[arm] == "True" for row in evaluation for arm in ("lossless", "pld_lossless", "hybrid_lossless")), evaluation
+    print(f"the whole workflow on the cluster: {run.seconds:.0f} s; " + ", ".join(f"{rule} {records[job]['elapsed']}" for job, rule in jobs.items()))
+    assert_same_drafter(workdir / "results" / "train" / "drafter" / "model.safetensors", train_one_process(prepared, "one-process"))
+
+
+def test_a_rerun_submits_nothing_and_an_evaluation_change_submits_only_evaluate_and_the_report(prepared):
+    again = run_workflow(prepared["workdir"], prepared["env"])
+    assert submitted(again) == {} and "Nothing to be done" in again.output, readable(again.output, 120)
+    changed = run_workflow(prepared["workdir"], prepared["env"], "--config", "eval={'max_new_tokens': 7}")
+    assert sorted(submitted(changed).values()) == ["evaluate", "report"], readable(changed.output, 120)
+    print(f"a rerun with nothing changed: {again.seconds:.0f} s; with eval.max_new_tokens changed: {changed.seconds:.0f} s")
+
+
+def test_the_split_topology_puts_the_target_ranks_on_one_node_and_the_drafter_ranks_on_the_other(prepared):
+    """Split 2 + 2 on two nodes of two processes: the drafter ranks (0, 1) on one node, the target ranks (2, 3) on the
+    other, every hidden state sent between the nodes over TCP; the drafter equal to one process's on the same data."""
+    workdir = prepared["workdir"]
+    run = run_workflow(workdir, prepared["env"], "train", configs=["--configfile", "config/config.yaml", SPLIT_OVERLAY])
+    job_id = next(job for job, rule in submitted(run).items() if rule == "train")
+    record = slurm_records()[job_id]
+    assert (record["state"], record["nodes"], record["nodelist"]) == ("COMPLETED", "2", "dflash-n[1-2]"), record
+    log = (workdir / "results" / "logs" / "train.log").read_text()
+    assert re.search(rf"^launch: SLURM job {job_id} on dflash-n1,dflash-n2, 2 x 2 processes, ", log, re.M), readable(log)
+    found = re.findall(r"rank (\d) of 4 \((\w+), local rank \d\) on host (\S+)$", log, re.MULTILINE)
+    placed = {int(rank): (role, host) for rank, role, host in found}
+    assert sorted(placed) == [0, 1, 2, 3], readable(log)
+    drafter_hosts = {placed[r][1] for r in (0, 1)}
+    target_hosts = {placed[r][1] for r in (2, 3)}
+    assert [placed[r][0] for r in range(4)] == ["drafter", "drafter", "target", "target"], placed
+    assert len(drafter_hosts) == len(target_hosts) == 1 and drafter_hosts | target_hosts == set(NODES), placed
+    summary = json.loads((workdir / "results" / "train" / "summary.json").read_text())
+    assert summary["topology"].startswith("split"), summary
+    split = yaml.safe_load((workdir / SPLIT_OVERLAY).read_text())
+    reference = train_one_process(prepared, "one-process-split", train=split["train"], topology=split["topology"])
+    print(f"split 2 + 2 on 2 nodes: train {record['elapsed']}, the whole run {run.seconds:.0f} s; summary topology {summary['topology']!r}")
+    assert_same_drafter(workdir / "results" / "train" / "drafter" / "model.safetensors", reference)
+
+
+def node_state(node: str) -> str:
+    return cluster_sh("submit", "sinfo", "--noheader", "--nodes", node, "--format=%t").stdout.strip()
+
+
+def test_a_node_that_never_comes_up_leaves_train_pending_with_slurms_reason_in_the_log(prepared):
+    """dflash-n2's slurmd stopped before submission: SLURM marks the node down, the two-node train job pends, and the
+    submitting Snakemake's log says why (dflash/slurm_queue.py); once the node is back, the job runs and the workflow
+    ends as usual. Never a traceback of ours."""
+    workdir, log = prepared["workdir"], prepared["base"] / "node-down.log"
+    cluster_sh("stop-node", "2")
+    run, restarted = None, False
+    try:
+        start = time.monotonic()
+        wait_until(lambda: node_state(NODES[1]).startswith("down"), 180, f"{NODES[1]} marked down", every=2)
+        noticed = time.monotonic() - start
+        with log.open("w") as out:
+            run = subprocess.Popen(workflow_command("train", "--forcerun", "train"), cwd=workdir, env=prepared["env"], stdout=out, stderr=subprocess.STDOUT)
+        told = wait_until(lambda: re.search(r"^SLURM job (\d+) \(rule train\) is pending: (.+)$", log.read_text(), re.M), 240, "the reason in the log", every=2)
+        print(f"{NODES[1]} marked {node_state(NODES[1])} {noticed:.0f} s after its slurmd stopped; the log said: {told.group(0)}")
+        assert slurm_records()[told.group(1)]["state"] == "PENDING"
+        cluster_sh("start-node", "2")
+        restarted = True
+        assert run.wait(600) == 0, readable(log.read_text(), 120)
+    finally:
+        if run is not None and run.poll() is None:
+            run.kill()
+        if not restarted:
+            subprocess.run(["bash", str(CLUSTER), "start-node", "2"], capture_output=True)
+    assert "Traceback" not in log.read_text()
+    assert slurm_records()[told.group(1)]["state"] == "COMPLETED"
 
 
 def checkpoint_dir(workdir: Path) -> Path | None:

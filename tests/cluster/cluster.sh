@@ -9,6 +9,9 @@
 #   tests/cluster/cluster.sh down          stop everything, remove the namespaces, the hosts files and the config
 #   tests/cluster/cluster.sh submit CMD..  run a command on the submit host (sbatch, squeue, scancel, snakemake ...)
 #   tests/cluster/cluster.sh status        sinfo and squeue
+#   tests/cluster/cluster.sh stop-node N   stop node N's slurmd, as when a node dies: SLURM marks it DOWN within
+#                                          SlurmdTimeout, and jobs that need it pend
+#   tests/cluster/cluster.sh start-node N  start node N's slurmd again: it returns to service when it registers
 #
 # The machine's own network is never touched: the bridge lives in the switch's namespace, and every veth pair is
 # created between two of the cluster's namespaces, so the root namespace gains no link, address or route. Names
@@ -218,5 +221,7 @@ case "${1:-}" in
     down) down; say "down" ;;
     submit) shift; on_submit_host "$@" ;;
     status) on_submit_host sinfo -N; on_submit_host squeue ;;
-    *) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    stop-node) stop_pidfile "$DIR/slurmd-$(node_name "${2:?stop-node N}").pid" slurmd; say "stopped $(node_name "$2")'s slurmd" ;;
+    start-node) start_daemon "$(node_name "${2:?start-node N}")" slurmd -f "$CONF" -N "$(node_name "$2")"; say "started $(node_name "$2")'s slurmd" ;;
+    *) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac
