@@ -371,6 +371,7 @@ def test_a_node_that_never_comes_up_leaves_train_pending_with_slurms_reason_in_t
         told = wait_until(lambda: re.search(r"^SLURM job (\d+) \(rule train\) is pending: (.+)$", log.read_text(), re.M), 240, "the reason in the log", every=2)
         print(f"{NODES[1]} marked {node_state(NODES[1])} {noticed:.0f} s after its slurmd stopped; the log said: {told.group(0)}")
         assert slurm_records()[told.group(1)]["state"] == "PENDING"
+        assert f"; nodes out of service: {NODES[1]} down* (Not responding) " in told.group(2), told.group(0)
         cluster_sh("start-node", "2")
         restarted = True
         assert run.wait(600) == 0, readable(log.read_text(), 120)
