@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
@@ -37,9 +40,18 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from dflash.config import TopologyConfig
-from dflash.errors import PreflightError
+from dflash.errors import LostRankError, PreflightError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Where one rank runs: its host name and the address its peers reach it at."""
+
+    rank: int
+    host: str
+    address: str
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,7 @@ class Layout:
     drafter_world: int = 1  # D: ranks 0..D-1 train the drafter
     data_parallel: Literal["ddp", "fsdp"] = "ddp"
     group: Any = field(default=None, compare=False)  # the drafter ranks' process group; None with one process
+    peers: tuple[Peer, ...] = field(default=(), compare=False)  # every rank's place, by rank; empty with one process
 
     @property
     def is_main(self) -> bool:
@@ -111,6 +124,9 @@ def init(topology: TopologyConfig) -> Layout:
         # Every rank says where it runs: on several nodes, which host holds which role is the first thing to check.
         role = "drafter" if rank < drafter_world else "target"
         log.info("rank %d of %d (%s, local rank %d) on host %s", rank, world, role, local_rank, socket.gethostname())
+        # Every rank's place, so that a lost peer, which torch names by its address only, can be named by rank and host.
+        peers: list[Peer | None] = [None] * world
+        dist.all_gather_object(peers, Peer(rank, socket.gethostname(), own_address()))
     return Layout(
         device=device,
         kind=topology.kind,
@@ -120,7 +136,53 @@ def init(topology: TopologyConfig) -> Layout:
         drafter_world=drafter_world,
         data_parallel=topology.data_parallel,
         group=group,
+        peers=tuple(peers) if world > 1 else (),
     )
+
+
+def own_address() -> str:
+    """This host's address as its host name resolves (gloo binds to it unless GLOO_SOCKET_IFNAME says otherwise)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return ""
+
+
+# How gloo and NCCL say that the connection to a peer broke: the peer's address in brackets, then its port.
+_LOST_CONNECTION = re.compile(r"(closed by peer|reset by peer|Connection refused|Broken pipe|Socket closed|remote process exited)", re.IGNORECASE)
+_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")
+
+
+def lost_rank(error: BaseException, layout: Layout) -> str | None:
+    """Who a collective's error says was lost, by rank and host (torch names only an address), or None where the
+    error is not a lost connection. Ranks sharing the address are named together, this one excepted."""
+    text = str(error)
+    found = _PEER_ADDRESS.search(text)
+    if not layout.peers or found is None or not _LOST_CONNECTION.search(text):
+        return None
+    address = found.group(1)
+    ranks = [peer for peer in layout.peers if peer.address == address and peer.rank != layout.rank]
+    if not ranks:
+        return f"the rank at {address}"
+    hosts = sorted({peer.host for peer in ranks})
+    which = f"rank {ranks[0].rank}" if len(ranks) == 1 else f"one of ranks {', '.join(str(peer.rank) for peer in ranks)}"
+    return f"{which} on {', '.join(hosts)} ({address})"
+
+
+@contextmanager
+def naming_lost_ranks(layout: Layout, stage: str) -> Iterator[None]:
+    """A collective that fails because a peer is gone becomes a ``LostRankError`` naming that rank and its host."""
+    try:
+        yield
+    except RuntimeError as error:
+        who = lost_rank(error, layout)
+        if who is None:
+            raise
+        reason = _LOST_CONNECTION.search(str(error)).group(1)
+        raise LostRankError(
+            f"rank {layout.rank} on {socket.gethostname()} lost {who} during {stage} ({reason}): its process died, or its "
+            "node or link went down; checkpoints are written whole or not at all: rerun to resume from the last complete one"
+        ) from error
 
 
 def join(topology: TopologyConfig) -> Layout:

@@ -26,3 +26,8 @@ class MissingInputError(DFlashError, FileNotFoundError):
 
 class PreflightError(DFlashError, RuntimeError):
     """The environment or a preflight verdict forbids the run as configured."""
+
+
+class LostRankError(DFlashError, RuntimeError):
+    """A rank of a distributed run stopped answering (its process died, its node or link went down); the message
+    names the rank and its host."""

@@ -239,7 +239,8 @@ def run_train_stage(sections: dict, args) -> TrainResult:
         metrics=out_dir / "metrics.csv",
     )
     settings = RunSettings(drafter=sections["drafter"], train=sections["train"], seed=args.seed)
-    result = train_drafter(target, samples, settings, paths, layout=layout, validation=validation, tracker=tracker)
+    with distributed.naming_lost_ranks(layout, "training"):
+        result = train_drafter(target, samples, settings, paths, layout=layout, validation=validation, tracker=tracker)
     if layout.is_main:
         where = f"{topology.kind} {topology.nnodes}x{topology.nproc_per_node} {topology.device}"
         summary = dataclasses.asdict(result) | {"fingerprint": fingerprint, "samples": len(samples), "topology": where}

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -410,34 +411,76 @@ def test_a_job_of_fewer_nodes_than_the_topology_fails_at_once_naming_both(prepar
     print(f"a job of one node: failed {job.seconds:.0f} s after sbatch")
 
 
-def test_a_cancelled_job_resumes_from_its_checkpoint_across_nodes(prepared, request_for_train):
-    """scancel after the first checkpoint, resubmit: the rerun resumes from it and ends with the weights of an
-    uninterrupted run on the same two nodes. Every checkpoint left on disk is whole.
+LONG = ("--config", f"train={LONG_TRAIN}")
 
-    The uninterrupted run is the two-node job's, not one process's: over 300 steps, Adam carries the float summation
-    order's differences from one process to two (1e-7 after a step) to 2e-5."""
+
+@pytest.fixture(scope="module")
+def uninterrupted(prepared, request_for_train) -> Path:
+    """The drafter of LONG_TRAIN's uninterrupted run on the two nodes: what an interrupted run must end with.
+
+    It is the two-node job's, not one process's: over 300 steps, Adam carries the float summation order's differences
+    from one process to two (1e-7 after a step) to 2e-5."""
+    job = Job(prepared, "train-uninterrupted", request_for_train, *LONG, "--forcerun", "train")
+    assert job.wait()["JobState"] == "COMPLETED", job.log()
+    return shutil.copy2(prepared["workdir"] / "results" / "train" / "drafter" / "model.safetensors", prepared["base"] / "uninterrupted.safetensors")
+
+
+def interrupt_and_resume(prepared: dict, request: list[str], uninterrupted: Path, name: str, interrupt, ended: str) -> tuple[Job, float, dict]:
+    """LONG_TRAIN submitted, ``interrupt(job)`` after its first checkpoint, the job ending in state ``ended``; every
+    checkpoint left on disk whole; the rerun resumes from one of them and ends with the uninterrupted run's weights.
+    Returns the interrupted job, the seconds from the interruption to its end, and the rerun's summary."""
     workdir = prepared["workdir"]
-    drafter = workdir / "results" / "train" / "drafter" / "model.safetensors"
-    long = ("--config", f"train={LONG_TRAIN}")
-    uninterrupted = Job(prepared, "train-uninterrupted", request_for_train, *long)
-    assert uninterrupted.wait()["JobState"] == "COMPLETED", uninterrupted.log()
-    reference = shutil.copy2(drafter, prepared["base"] / "uninterrupted.safetensors")
-
-    job = Job(prepared, "train-cancelled", request_for_train, *long, "--forcerun", "train")
+    job = Job(prepared, f"train-{name}", request, *LONG, "--forcerun", "train")
     wait_until(lambda: complete(workdir) or job.record()["JobState"] not in ("PENDING", "RUNNING"), 600, "a first checkpoint")
     assert job.record()["JobState"] == "RUNNING", job.log()
-    cluster_sh("submit", "scancel", job.id)
-    assert job.wait(120)["JobState"] == "CANCELLED"
+    start = time.monotonic()
+    interrupt(job)
+    assert job.wait(120)["JobState"] == ended, job.log()
+    noticed = time.monotonic() - start
+    job.ended_log = job.train_log()  # the rerun writes train.log anew
     kept = complete(workdir)
     found = checkpoint_dir(workdir)
     assert kept and sorted(p for p in found.iterdir() if p.name.startswith(STEP_PREFIX)) == sorted(kept), sorted(p.name for p in found.iterdir())
     for step in kept:
         torch.load(step / "state.pt", weights_only=False)
-
-    rerun = Job(prepared, "train-resumed", request_for_train, *long)
+    rerun = Job(prepared, f"train-{name}-resumed", request, *LONG)
     assert rerun.wait()["JobState"] == "COMPLETED", rerun.log()
     summary = json.loads((workdir / "results" / "train" / "summary.json").read_text())
     assert summary["resumed_from"] >= int(kept[0].name.removeprefix(STEP_PREFIX)) > 0, summary
     assert re.search(r"resuming from \S+step-\d+ \(step \d+ of \d+\)", rerun.train_log()), rerun.log()
-    print(f"cancelled after {kept[-1].name}; the rerun resumed from step {summary['resumed_from']} and took {rerun.seconds:.0f} s")
-    assert_same_drafter(drafter, reference)
+    print(f"{name}: ended {noticed:.0f} s later, after {kept[-1].name}; the rerun resumed from step {summary['resumed_from']} and took {rerun.seconds:.0f} s")
+    assert_same_drafter(workdir / "results" / "train" / "drafter" / "model.safetensors", uninterrupted)
+    return job, noticed, summary
+
+
+def test_a_cancelled_job_resumes_from_its_checkpoint_across_nodes(prepared, request_for_train, uninterrupted):
+    """scancel after the first checkpoint, resubmit: the rerun resumes from it and ends with the weights of an
+    uninterrupted run on the same two nodes. Every checkpoint left on disk is whole."""
+    interrupt_and_resume(prepared, request_for_train, uninterrupted, "cancelled", lambda job: cluster_sh("submit", "scancel", job.id), "CANCELLED")
+
+
+def training_process(rank: int) -> int:
+    """The pid of the training process of ``rank`` (torchrun's worker, ``python -m dflash train`` with RANK set)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = set((proc / "environ").read_bytes().split(b"\0"))
+        except (OSError, ValueError):
+            continue
+        if b"dflash" in argv and b"train" in argv and f"RANK={rank}".encode() in environ and b"TORCHELASTIC_RUN_ID" in b" ".join(environ):
+            return int(proc.name)
+    raise AssertionError(f"no training process of rank {rank}")
+
+
+def test_a_killed_rank_ends_the_job_at_once_naming_the_rank_and_its_node(prepared, request_for_train, uninterrupted):
+    """kill -9 of rank 1's training process on dflash-n2 mid-training: rank 0 ends with one line of ours naming rank 1
+    and its node, within seconds, never waiting for the time limit; the rerun resumes to the uninterrupted weights."""
+    job, noticed, _ = interrupt_and_resume(
+        prepared, request_for_train, uninterrupted, "killed", lambda job: os.kill(training_process(1), signal.SIGKILL), "FAILED"
+    )
+    errors = [line for line in job.ended_log.splitlines() if line.startswith("dflash train: error:")]
+    assert errors and re.match(r"dflash train: error: rank 0 on dflash-n1 lost rank 1 on dflash-n2 \(10\.200\.7\.12\) during training \(", errors[0]), readable(
+        job.ended_log, 120
+    )
+    print(f"the killed rank's job ended {noticed:.0f} s after kill -9, saying: {errors[0]}")
+    assert noticed < 60, noticed

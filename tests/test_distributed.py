@@ -23,6 +23,8 @@ from safetensors.torch import load_file
 
 from dflash.batch import Schedule
 from dflash.checkpoint import complete_checkpoints
+from dflash.distributed import Layout, Peer, lost_rank, naming_lost_ranks
+from dflash.errors import LostRankError
 from dflash.transport import routes
 
 pytestmark = pytest.mark.slow
@@ -160,3 +162,31 @@ def test_colocated_2_processes_resume_after_a_crash(tmp_path, colocated_2, one_p
         assert torch.equal(tensor, expected[name]), name
     resumed, uninterrupted = pd.read_csv(out / "metrics.csv"), pd.read_csv(colocated_2 / "metrics.csv")
     pd.testing.assert_frame_equal(resumed.drop(columns="tokens_per_s"), uninterrupted.drop(columns="tokens_per_s"))
+
+
+TWO_NODES = (Peer(0, "dflash-n1", "10.200.7.11"), Peer(1, "dflash-n2", "10.200.7.12"))
+GLOO_CLOSED = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.200.7.12]:31969"
+
+
+def test_a_lost_connection_names_the_rank_and_host_behind_the_address():
+    on_n1 = Layout(device=torch.device("cpu"), rank=0, world=2, drafter_world=2, peers=TWO_NODES)
+    assert lost_rank(RuntimeError(GLOO_CLOSED), on_n1) == "rank 1 on dflash-n2 (10.200.7.12)"
+    reset = "[../gloo/transport/tcp/pair.cc:598] Read error [10.200.7.12]:40712: Connection reset by peer"
+    assert lost_rank(RuntimeError(reset), on_n1) == "rank 1 on dflash-n2 (10.200.7.12)"
+    # Several ranks behind one address (one host): all are named but this one.
+    one_host = Layout(device=torch.device("cpu"), rank=0, world=3, drafter_world=3, peers=tuple(Peer(r, "n1", "127.0.0.1") for r in range(3)))
+    assert lost_rank(RuntimeError(GLOO_CLOSED.replace("10.200.7.12", "127.0.0.1")), one_host) == "one of ranks 1, 2 on n1 (127.0.0.1)"
+    # Not a lost connection, or no roster (one process): left alone.
+    assert lost_rank(RuntimeError("CUDA out of memory"), on_n1) is None
+    assert lost_rank(RuntimeError(GLOO_CLOSED), Layout(device=torch.device("cpu"))) is None
+
+
+def test_naming_lost_ranks_turns_only_a_lost_connection_into_an_error_of_ours():
+    on_n1 = Layout(device=torch.device("cpu"), rank=0, world=2, drafter_world=2, peers=TWO_NODES)
+    with pytest.raises(LostRankError, match=r"lost rank 1 on dflash-n2 \(10.200.7.12\) during training \(closed by peer\): ") as raised:
+        with naming_lost_ranks(on_n1, "training"):
+            raise RuntimeError(GLOO_CLOSED)
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with naming_lost_ranks(on_n1, "training"):
+            raise RuntimeError("out of memory")
