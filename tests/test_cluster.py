@@ -47,9 +47,9 @@ SPLIT_OVERLAY = "config/slurm-cpu-split-2x2.yaml"
 CONFIGS = ["--configfile", "config/config.yaml", OVERLAY]
 NODES = ("dflash-n1", "dflash-n2")
 WEIGHT_ATOL = 1e-5  # as tests/test_distributed.py: only float summation orders differ
-# Long enough to cancel after a checkpoint and before the end; checkpoints often enough that the rerun resumes.
 # Every stage but the local rules (prepare_target, all), each submitted as a job of its own.
 STAGES_ON_NODES = ("env_check", "smoke_imports", "repro_fx_race", "prepare_data", "warmup_cache", "train", "evaluate", "report")
+# Long enough to cancel after a checkpoint and before the end; checkpoints often enough that the rerun resumes.
 LONG_TRAIN = {"epochs": 150, "checkpoint_every": 25, "validate_every": 100, "log_every": 10}
 
 
@@ -425,10 +425,10 @@ def uninterrupted(prepared, request_for_train) -> Path:
     return shutil.copy2(prepared["workdir"] / "results" / "train" / "drafter" / "model.safetensors", prepared["base"] / "uninterrupted.safetensors")
 
 
-def interrupt_and_resume(prepared: dict, request: list[str], uninterrupted: Path, name: str, interrupt, ended: str) -> tuple[Job, float, dict]:
+def interrupt_and_resume(prepared: dict, request: list[str], uninterrupted: Path, name: str, interrupt, ended: str) -> tuple[Job, float]:
     """LONG_TRAIN submitted, ``interrupt(job)`` after its first checkpoint, the job ending in state ``ended``; every
     checkpoint left on disk whole; the rerun resumes from one of them and ends with the uninterrupted run's weights.
-    Returns the interrupted job, the seconds from the interruption to its end, and the rerun's summary."""
+    Returns the interrupted job and the seconds from the interruption to its end."""
     workdir = prepared["workdir"]
     job = Job(prepared, f"train-{name}", request, *LONG, "--forcerun", "train")
     wait_until(lambda: complete(workdir) or job.record()["JobState"] not in ("PENDING", "RUNNING"), 600, "a first checkpoint")
@@ -450,7 +450,7 @@ def interrupt_and_resume(prepared: dict, request: list[str], uninterrupted: Path
     assert re.search(r"resuming from \S+step-\d+ \(step \d+ of \d+\)", rerun.train_log()), rerun.log()
     print(f"{name}: ended {noticed:.0f} s later, after {kept[-1].name}; the rerun resumed from step {summary['resumed_from']} and took {rerun.seconds:.0f} s")
     assert_same_drafter(workdir / "results" / "train" / "drafter" / "model.safetensors", uninterrupted)
-    return job, noticed, summary
+    return job, noticed
 
 
 def test_a_cancelled_job_resumes_from_its_checkpoint_across_nodes(prepared, request_for_train, uninterrupted):
@@ -475,7 +475,7 @@ def training_process(rank: int) -> int:
 def test_a_killed_rank_ends_the_job_at_once_naming_the_rank_and_its_node(prepared, request_for_train, uninterrupted):
     """kill -9 of rank 1's training process on dflash-n2 mid-training: rank 0 ends with one line of ours naming rank 1
     and its node, within seconds, never waiting for the time limit; the rerun resumes to the uninterrupted weights."""
-    job, noticed, _ = interrupt_and_resume(
+    job, noticed = interrupt_and_resume(
         prepared, request_for_train, uninterrupted, "killed", lambda job: os.kill(training_process(1), signal.SIGKILL), "FAILED"
     )
     errors = [line for line in job.ended_log.splitlines() if line.startswith("dflash train: error:")]
