@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -67,6 +68,8 @@ class Layout:
     data_parallel: Literal["ddp", "fsdp"] = "ddp"
     group: Any = field(default=None, compare=False)  # the drafter ranks' process group; None with one process
     peers: tuple[Peer, ...] = field(default=(), compare=False)  # every rank's place, by rank; empty with one process
+    timeout_s: float = 0.0  # how long a collective waits for the peers before it fails (topology.collective_timeout_s)
+    store: Any = field(default=None, compare=False)  # the rendezvous store, a channel besides the process group; None with one process
 
     @property
     def is_main(self) -> bool:
@@ -114,7 +117,7 @@ def init(topology: TopologyConfig) -> Layout:
     else:
         device = torch.device("cpu")
     drafter_world = topology.drafter_world
-    group = None
+    group, store, peers = None, None, []
     if world > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=topology.collective_timeout_s)
@@ -125,8 +128,9 @@ def init(topology: TopologyConfig) -> Layout:
         role = "drafter" if rank < drafter_world else "target"
         log.info("rank %d of %d (%s, local rank %d) on host %s", rank, world, role, local_rank, socket.gethostname())
         # Every rank's place, so that a lost peer, which torch names by its address only, can be named by rank and host.
-        peers: list[Peer | None] = [None] * world
+        peers = [None] * world
         dist.all_gather_object(peers, Peer(rank, socket.gethostname(), own_address()))
+        store = rendezvous_store(check_in_seconds(topology.collective_timeout_s))
     return Layout(
         device=device,
         kind=topology.kind,
@@ -136,8 +140,24 @@ def init(topology: TopologyConfig) -> Layout:
         drafter_world=drafter_world,
         data_parallel=topology.data_parallel,
         group=group,
-        peers=tuple(peers) if world > 1 else (),
+        peers=tuple(peers),
+        timeout_s=topology.collective_timeout_s,
+        store=store,
     )
+
+
+def rendezvous_store(timeout_s: float) -> dist.Store:
+    """A client of the store torchrun's rendezvous serves (``MASTER_ADDR:MASTER_PORT``, on the rendezvous host): where
+    ranks whose collective timed out say so, since the process group's own connections are closed by the timeout.
+    Its keys are this launch's (a restarted worker group starts afresh)."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"dflash/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+
+
+def check_in_seconds(timeout_s: float) -> float:
+    """How long a rank whose collective timed out waits for the others to say theirs did too. Ranks waiting in the same
+    collective entered it within about a step of each other, which the timeout must exceed many times over."""
+    return max(5.0, timeout_s / 10)
 
 
 def own_address() -> str:
@@ -153,6 +173,11 @@ _LOST_CONNECTION = re.compile(r"(closed by peer|reset by peer|Connection refused
 _PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")
 
 
+# How gloo says a collective or a receive waited longer than the process group's timeout (the first error), and what
+# any later operation on the connection the timeout closed says. Neither names a peer.
+_TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms|Application timeout caused pair closure")
+
+
 def lost_rank(error: BaseException, layout: Layout) -> str | None:
     """Who a collective's error says was lost, by rank and host (torch names only an address), or None where the
     error is not a lost connection. Ranks sharing the address are named together, this one excepted."""
@@ -164,24 +189,61 @@ def lost_rank(error: BaseException, layout: Layout) -> str | None:
     ranks = [peer for peer in layout.peers if peer.address == address and peer.rank != layout.rank]
     if not ranks:
         return f"the rank at {address}"
-    hosts = sorted({peer.host for peer in ranks})
-    which = f"rank {ranks[0].rank}" if len(ranks) == 1 else f"one of ranks {', '.join(str(peer.rank) for peer in ranks)}"
-    return f"{which} on {', '.join(hosts)} ({address})"
+    return named(ranks, alternatives=True)
+
+
+def named(peers: list[Peer], alternatives: bool = False) -> str:
+    """``rank 1 on n2 (10.0.0.2)``; several: ``ranks 1, 3 on n2 (10.0.0.2)``, or ``one of ranks ...`` where only one of
+    them is meant."""
+    ranks = ", ".join(str(peer.rank) for peer in peers)
+    which = f"rank {ranks}" if len(peers) == 1 else f"one of ranks {ranks}" if alternatives else f"ranks {ranks}"
+    hosts = ", ".join(sorted({peer.host for peer in peers}))
+    addresses = ", ".join(sorted({peer.address for peer in peers}))
+    return f"{which} on {hosts} ({addresses})"
+
+
+def silent_ranks(layout: Layout) -> str | None:
+    """After this rank's collective timed out: the ranks that did not say within ``check_in_seconds`` that theirs
+    timed out too (a rank that hangs, is stopped, or is cut off), named; None where every rank did (they wait for each
+    other in different collectives: a bug). Said through the rendezvous store, whose host may be cut off too."""
+    wait = check_in_seconds(layout.timeout_s)
+    try:
+        layout.store.set(f"timed-out/{layout.rank}", socket.gethostname())
+        deadline = time.monotonic() + wait
+        waiting = [peer for peer in layout.peers if peer.rank != layout.rank]
+        while waiting and time.monotonic() < deadline:
+            time.sleep(0.2)
+            waiting = [peer for peer in waiting if not layout.store.check([f"timed-out/{peer.rank}"])]
+    except RuntimeError as error:  # the store's errors (DistStoreError) derive from RuntimeError
+        return f"every peer: the rendezvous store does not answer either ({' '.join(str(error).split())[:120]}): this node or its link may be down"
+    return named(waiting) if waiting else None
+
+
+RESUME = "checkpoints are written whole or not at all: rerun to resume from the last complete one"
 
 
 @contextmanager
 def naming_lost_ranks(layout: Layout, stage: str) -> Iterator[None]:
-    """A collective that fails because a peer is gone becomes a ``LostRankError`` naming that rank and its host."""
+    """A collective that fails because a peer is gone, or times out because a peer is silent, becomes a
+    ``LostRankError`` naming that rank and its host."""
     try:
         yield
+    except LostRankError:
+        raise
     except RuntimeError as error:
+        this = f"rank {layout.rank} on {socket.gethostname()}"
         who = lost_rank(error, layout)
-        if who is None:
+        if who is not None:
+            reason = _LOST_CONNECTION.search(str(error)).group(1)
+            raise LostRankError(f"{this} lost {who} during {stage} ({reason}): its process died, or its node or link went down; {RESUME}") from error
+        if layout.store is None or not _TIMED_OUT.search(str(error)):
             raise
-        reason = _LOST_CONNECTION.search(str(error)).group(1)
+        silent = silent_ranks(layout)
+        if silent is None:
+            raise
         raise LostRankError(
-            f"rank {layout.rank} on {socket.gethostname()} lost {who} during {stage} ({reason}): its process died, or its "
-            "node or link went down; checkpoints are written whole or not at all: rerun to resume from the last complete one"
+            f"{this} heard nothing from {silent} for {layout.timeout_s:.0f} s during {stage} (topology.collective_timeout_s): "
+            f"its process hangs or is stopped, or its node or link is down; {RESUME}"
         ) from error
 
 

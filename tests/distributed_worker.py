@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -53,6 +54,8 @@ def run(spec: dict) -> None:
     def recording_step(forward, drafter, optimizer, target, batch, cfg, head=None):
         if spec.get("crash_at") is not None and len(steps) == spec["crash_at"]:
             os._exit(17)  # a crash between two steps: no cleanup, as after kill -9
+        if spec.get("hang_at") is not None and len(steps) == spec["hang_at"] and layout.rank == spec["hang_rank"]:
+            time.sleep(3600)  # alive but silent: its peers wait in the step's collectives
         # The rows must hold the target's own features of these samples, however they got here.
         expected = [target.features(torch.tensor([samples["input_ids"].iloc[i]]), None, layer_ids).features[0] for i in batch.indices]
         error = max((float((batch.features[r, : len(e)] - e).abs().max()) for r, e in enumerate(expected)), default=0.0)
@@ -66,7 +69,8 @@ def run(spec: dict) -> None:
         paths = dflash.run.RunPaths(
             hidden_cache=out / "cache" / "hidden-states", checkpoints=out / "cache" / "checkpoints", drafter=out / "drafter", metrics=out / "metrics.csv"
         )
-        result = dflash.train.train_drafter(target, samples, settings, paths, layout=layout)
+        with distributed.naming_lost_ranks(layout, "training"):  # as the train stage
+            result = dflash.train.train_drafter(target, samples, settings, paths, layout=layout)
     finally:
         dflash.train.train_step = original  # run in-process by a test, the module must be left as it was
     if layout.is_drafter:
