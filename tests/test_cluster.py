@@ -17,6 +17,7 @@ sets) they fail instead.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import os
 import re
@@ -37,6 +38,7 @@ from tiny_chat_target import build_tiny_inputs
 
 from dflash.checkpoint import STEP_PREFIX, complete_checkpoints
 from dflash.config import canonical_json, load_config, to_dict
+from dflash.distributed import check_in_seconds
 
 pytestmark = pytest.mark.slurm
 
@@ -425,24 +427,45 @@ def uninterrupted(prepared, request_for_train) -> Path:
     return shutil.copy2(prepared["workdir"] / "results" / "train" / "drafter" / "model.safetensors", prepared["base"] / "uninterrupted.safetensors")
 
 
-def interrupt_and_resume(prepared: dict, request: list[str], uninterrupted: Path, name: str, interrupt, ended: str) -> tuple[Job, float]:
-    """LONG_TRAIN submitted, ``interrupt(job)`` after its first checkpoint, the job ending in state ``ended``; every
-    checkpoint left on disk whole; the rerun resumes from one of them and ends with the uninterrupted run's weights.
-    Returns the interrupted job and the seconds from the interruption to its end."""
-    workdir = prepared["workdir"]
-    job = Job(prepared, f"train-{name}", request, *LONG, "--forcerun", "train")
-    wait_until(lambda: complete(workdir) or job.record()["JobState"] not in ("PENDING", "RUNNING"), 600, "a first checkpoint")
-    assert job.record()["JobState"] == "RUNNING", job.log()
-    start = time.monotonic()
-    interrupt(job)
-    assert job.wait(120)["JobState"] == ended, job.log()
-    noticed = time.monotonic() - start
-    job.ended_log = job.train_log()  # the rerun writes train.log anew
+def finished_results(workdir: Path) -> dict[str, str]:
+    """A digest of every file the workflow's finished stages wrote, by path: all of results/ but what a train job
+    writes (its outputs, its log, its checkpoints)."""
+    checkpoints = checkpoint_dir(workdir)
+    kept = {}
+    for path in sorted((workdir / "results").rglob("*")):
+        written_by_train = path.is_relative_to(workdir / "results" / "train") or path.name == "train.log"
+        if path.is_file() and not written_by_train and (checkpoints is None or not path.is_relative_to(checkpoints)):
+            kept[str(path.relative_to(workdir))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return kept
+
+
+def assert_nothing_lost(workdir: Path, before: dict[str, str]) -> list[Path]:
+    """After a fault: every other stage's results as they were, and every checkpoint on disk complete and loadable.
+    Returns the checkpoints."""
+    assert finished_results(workdir) == before
     kept = complete(workdir)
     found = checkpoint_dir(workdir)
     assert kept and sorted(p for p in found.iterdir() if p.name.startswith(STEP_PREFIX)) == sorted(kept), sorted(p.name for p in found.iterdir())
     for step in kept:
         torch.load(step / "state.pt", weights_only=False)
+    return kept
+
+
+def interrupt_and_resume(prepared: dict, request: list[str], uninterrupted: Path, name: str, interrupt, ended: str) -> tuple[Job, float]:
+    """LONG_TRAIN submitted, ``interrupt(job)`` after its first checkpoint, the job ending in state ``ended``; nothing
+    lost (assert_nothing_lost); the rerun resumes from one of the checkpoints and ends with the uninterrupted run's
+    weights. Returns the interrupted job and the seconds from the interruption to its end."""
+    workdir = prepared["workdir"]
+    job = Job(prepared, f"train-{name}", request, *LONG, "--forcerun", "train")
+    wait_until(lambda: complete(workdir) or job.record()["JobState"] not in ("PENDING", "RUNNING"), 600, "a first checkpoint")
+    assert job.record()["JobState"] == "RUNNING", job.log()
+    before = finished_results(workdir)
+    start = time.monotonic()
+    interrupt(job)
+    assert job.wait(180)["JobState"] == ended, job.log()
+    noticed = time.monotonic() - start
+    job.ended_log = job.train_log()  # the rerun writes train.log anew
+    kept = assert_nothing_lost(workdir, before)
     rerun = Job(prepared, f"train-{name}-resumed", request, *LONG)
     assert rerun.wait()["JobState"] == "COMPLETED", rerun.log()
     summary = json.loads((workdir / "results" / "train" / "summary.json").read_text())
@@ -484,3 +507,71 @@ def test_a_killed_rank_ends_the_job_at_once_naming_the_rank_and_its_node(prepare
     )
     print(f"the killed rank's job ended {noticed:.0f} s after kill -9, saying: {errors[0]}")
     assert noticed < 60, noticed
+
+
+def test_a_stopped_rank_ends_the_job_within_the_collective_timeout_naming_the_rank_and_its_node(prepared, request_for_train, uninterrupted):
+    """kill -STOP of rank 1's training process on dflash-n2 mid-training: it neither dies nor answers, and its
+    connections stay open. Rank 0 waits in the step's collective for topology.collective_timeout_s (60 s in the
+    overlay), hears through the rendezvous store that no other rank timed out, and ends with one line of ours naming
+    rank 1 and its node, never waiting for the time limit; the rerun resumes to the uninterrupted weights."""
+    timeout_s = yaml.safe_load((ROOT / OVERLAY).read_text())["topology"]["collective_timeout_s"]
+    job, noticed = interrupt_and_resume(
+        prepared, request_for_train, uninterrupted, "stopped", lambda job: os.kill(training_process(1), signal.SIGSTOP), "FAILED"
+    )
+    errors = [line for line in job.ended_log.splitlines() if line.startswith("dflash train: error:")]
+    assert errors and re.match(
+        rf"dflash train: error: rank 0 on dflash-n1 heard nothing from rank 1 on dflash-n2 \(10\.200\.7\.12\) for {timeout_s} s during training ", errors[0]
+    ), readable(job.ended_log, 120)
+    print(f"the stopped rank's job ended {noticed:.0f} s after kill -STOP (collective timeout {timeout_s} s), saying: {errors[0]}")
+    # The timeout, the check-in, then srun's end of the stopped task (KillWait): never the job's time limit.
+    assert timeout_s <= noticed < timeout_s + check_in_seconds(timeout_s) + 45, noticed
+
+
+def test_a_cut_link_is_noticed_by_slurm_and_the_requeued_job_resumes_on_its_own(prepared, uninterrupted):
+    """dflash-n2's link cut after train's first checkpoint, in the workflow the profile submits (slurm-requeue): SLURM
+    marks the node down within SlurmdTimeout and requeues the job (the cluster's JobRequeue=0 leaves that to the job's
+    own --requeue), which pends until the link is mended and then resumes from the last complete checkpoint by itself.
+    The submitting Snakemake sees no failure and ends as usual, with the uninterrupted run's weights; nothing lost."""
+    workdir, log = prepared["workdir"], prepared["base"] / "link-cut.log"
+    run, mended = None, False
+    try:
+        with log.open("w") as out:
+            run = subprocess.Popen(
+                workflow_command("train", "--forcerun", "train", *LONG), cwd=workdir, env=prepared["env"], stdout=out, stderr=subprocess.STDOUT
+            )
+        wait_until(lambda: complete(workdir) or run.poll() is not None, 600, "a first checkpoint")
+        assert run.poll() is None, readable(log.read_text(), 120)
+        job_id = next(job for job, rule in _SUBMITTED.findall(log.read_text()) if rule == "train")
+        before = finished_results(workdir)
+        cluster_sh("cut-link", "2")
+        start = time.monotonic()
+        wait_until(lambda: node_state(NODES[1]).startswith("down"), 180, f"{NODES[1]} marked down", every=1)
+        noticed = time.monotonic() - start
+        wait_until(lambda: slurm_records()[job_id]["state"] == "PENDING", 120, f"job {job_id} requeued", every=1)
+        requeued = time.monotonic() - start
+        assert_nothing_lost(workdir, before)
+        cluster_sh("mend-link", "2")
+        mended, mended_at = True, time.monotonic()
+        wait_until(lambda: slurm_records()[job_id]["state"] != "PENDING", 600, f"job {job_id} started again", every=1)
+        restarted = time.monotonic() - mended_at
+        assert run.wait(900) == 0, readable(log.read_text(), 120)
+        ended = time.monotonic() - start
+    finally:
+        if run is not None and run.poll() is None:
+            run.kill()
+        if not mended:
+            subprocess.run(["bash", str(CLUSTER), "mend-link", "2"], capture_output=True)
+    output = log.read_text()
+    assert [job for job, rule in _SUBMITTED.findall(output) if rule == "train"] == [job_id], readable(output, 120)  # requeued, not resubmitted
+    record = dict(field.split("=", 1) for field in cluster_sh("submit", "scontrol", "show", "job", "-o", job_id).stdout.split() if "=" in field)
+    assert (record["JobState"], record["Restarts"]) == ("COMPLETED", "1"), record
+    summary = json.loads((workdir / "results" / "train" / "summary.json").read_text())
+    assert summary["resumed_from"] > 0, summary
+    said = re.findall(rf"^SLURM job {job_id} \(rule train\) is pending: .*$", output, re.M)
+    print(
+        f"{NODES[1]}'s link cut: marked down {noticed:.0f} s later, job {job_id} requeued at {requeued:.0f} s; link mended, the job started "
+        f"again {restarted:.0f} s later and resumed from step {summary['resumed_from']}; the workflow ended {ended:.0f} s after the cut; "
+        f"the log said: {said or 'nothing (the job did not pend at a watch)'}"
+    )
+    assert "Traceback" not in output
+    assert_same_drafter(workdir / "results" / "train" / "drafter" / "model.safetensors", uninterrupted)

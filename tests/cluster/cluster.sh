@@ -12,6 +12,9 @@
 #   tests/cluster/cluster.sh stop-node N   stop node N's slurmd, as when a node dies: SLURM marks it DOWN within
 #                                          SlurmdTimeout, and jobs that need it pend
 #   tests/cluster/cluster.sh start-node N  start node N's slurmd again: it returns to service when it registers
+#   tests/cluster/cluster.sh cut-link N    take node N's link to the switch down (its eth0, inside its namespace), as
+#                                          when a cable or a switch port fails: its processes keep running, unheard
+#   tests/cluster/cluster.sh mend-link N   bring it up again: slurmctld hears the node at its next ping
 #
 # The machine's own network is never touched: the bridge lives in the switch's namespace, and every veth pair is
 # created between two of the cluster's namespaces, so the root namespace gains no link, address or route. Names
@@ -84,6 +87,9 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
 ReturnToService=2
+# As at sites that do not requeue by default: a job is requeued after a node fails only where it asks (sbatch
+# --requeue, which the repository's SLURM profile sets).
+JobRequeue=0
 # A lost node is noticed within SlurmdTimeout; finished jobs stay visible to squeue for MinJobAge.
 SlurmdTimeout=30
 MinJobAge=3600
@@ -223,5 +229,7 @@ case "${1:-}" in
     status) on_submit_host sinfo -N; on_submit_host squeue ;;
     stop-node) stop_pidfile "$DIR/slurmd-$(node_name "${2:?stop-node N}").pid" slurmd; say "stopped $(node_name "$2")'s slurmd" ;;
     start-node) start_daemon "$(node_name "${2:?start-node N}")" slurmd -f "$CONF" -N "$(node_name "$2")"; say "started $(node_name "$2")'s slurmd" ;;
-    *) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    cut-link) ip -n "$(node_name "${2:?cut-link N}")" link set eth0 down; say "cut $(node_name "$2")'s link" ;;
+    mend-link) ip -n "$(node_name "${2:?mend-link N}")" link set eth0 up; say "mended $(node_name "$2")'s link" ;;
+    *) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac
