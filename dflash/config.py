@@ -161,10 +161,11 @@ class TopologyConfig:
     nproc_per_node: int = bounded(1, ge=1)
     target_ranks: int = bounded(0, ge=0)  # split: ranks computing target hidden states; the rest train the drafter
     data_parallel: Literal["ddp", "fsdp"] = "ddp"  # fsdp shards the drafter's training state when a replica does not fit
-    # How long a rank waits in a collective or a point-to-point receive before it gives up and names the lost peer.
-    # Ranks wait while another builds its share of the hidden-state cache or rank 0 writes a checkpoint: that must
-    # fit. How long to wait, never what is trained: changing it reruns and invalidates nothing.
-    collective_timeout_s: int = bounded(3600, ge=10)
+    # How long a rank waits in a collective or a point-to-point receive before it gives up and names the silent peer.
+    # Ranks wait while another loads the target, builds its share of the hidden-state cache or rank 0 writes a
+    # checkpoint: that must fit (torch's own default, 30 minutes, fits an 8B target on a GPU node). How long to wait,
+    # never what is trained: changing it reruns and invalidates nothing.
+    collective_timeout_s: int = bounded(1800, ge=10)
 
     @property
     def world(self) -> int:

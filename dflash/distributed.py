@@ -155,9 +155,10 @@ def rendezvous_store(timeout_s: float) -> dist.Store:
 
 
 def check_in_seconds(timeout_s: float) -> float:
-    """How long a rank whose collective timed out waits for the others to say theirs did too. Ranks waiting in the same
-    collective entered it within about a step of each other, which the timeout must exceed many times over."""
-    return max(5.0, timeout_s / 10)
+    """How long a rank whose collective timed out waits for the others to say theirs did too: a tenth of the timeout,
+    from 5 s to a minute. Ranks waiting in the same collective entered it within about a step of each other, which the
+    timeout exceeds many times over."""
+    return min(60.0, max(5.0, timeout_s / 10))
 
 
 def own_address() -> str:

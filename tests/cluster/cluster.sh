@@ -90,6 +90,8 @@ ReturnToService=2
 # As at sites that do not requeue by default: a job is requeued after a node fails only where it asks (sbatch
 # --requeue, which the repository's SLURM profile sets).
 JobRequeue=0
+# A requeued job waits cred_expire before it starts again (120 s by default): shorter here, for the tests' sake.
+AuthInfo=cred_expire=30
 # A lost node is noticed within SlurmdTimeout; finished jobs stay visible to squeue for MinJobAge.
 SlurmdTimeout=30
 MinJobAge=3600
