@@ -23,7 +23,7 @@ import torch
 
 from dflash.config import TrainConfig
 from dflash.model import DFlashConfig
-from dflash.objective import Blocks, build_blocks, decay_weights, default_gamma, sample_anchors, sample_positions
+from dflash.objective import Blocks, build_blocks, decay_weights, default_gamma, loss_normaliser, sample_anchors, sample_positions
 from dflash.vocab import DraftVocab
 
 
@@ -115,7 +115,7 @@ class Batch:
     anchors: torch.Tensor  # [b, A]
     valid: torch.Tensor  # [b, A]
     blocks: Blocks
-    weight_total: torch.Tensor  # the loss normaliser: the decay weights' sum before any position sampling
+    weight_total: torch.Tensor  # the loss normaliser (train.loss_normaliser), taken before any position sampling
     indices: list[int] = field(default_factory=list)  # the samples of the rows (none for an idle rank's placeholder)
 
 
@@ -155,8 +155,11 @@ def make_batch(
         anchors.append(a)
         valid.append(v)
     anchors, valid = torch.cat(anchors), torch.cat(valid)
-    position_weights = decay_weights(config.block_size, cfg.gamma or default_gamma(config.block_size))
-    blocks = build_blocks(ids, loss_mask, anchors, valid, position_weights, config.mask_token_id, greedy, (top_ids, top_probs) if top_k else None)
+    # D-PACE weighs the positions during the step, from the drafter's own confidence: every trained position starts at 1.
+    gamma = math.inf if cfg.position_weights == "dpace" else cfg.gamma or default_gamma(config.block_size)
+    position_weights = decay_weights(config.block_size, gamma)
+    soft = (top_ids, top_probs) if top_k else None
+    blocks = build_blocks(ids, loss_mask, anchors, valid, position_weights, config.mask_token_id, greedy, soft, greedy_path_only=cfg.labels == "greedy_path")
     if vocab is not None:
         # A label outside the draft vocabulary cannot be drafted: it trains nothing (and has no probability to learn).
         drafted = vocab.index[blocks.labels]
@@ -166,7 +169,7 @@ def make_batch(
             soft = vocab.index[blocks.soft_ids]
             probs = blocks.soft_probs * (soft >= 0)
             blocks.soft_ids, blocks.soft_probs = soft.clamp(min=0), probs / probs.sum(-1, keepdim=True).clamp(min=1e-12)
-    weight_total = blocks.weights.sum()
+    weight_total = loss_normaliser(blocks.weights, cfg.loss_normaliser)
     if cfg.sample_loss_positions:
         blocks.weights = torch.cat([sample_positions(w[None], seeded_generator(seed, epoch, i, 1)) for i, w in zip(indices, blocks.weights)])
     return Batch(

@@ -22,6 +22,7 @@ from dflash.distributed import Layout
 from dflash.errors import InputError
 from dflash.io import atomic_path, discard, remove_leftovers
 from dflash.model import DFlashConfig, DFlashDrafter
+from dflash.optim import DrafterOptimizer
 from dflash.vocab import DraftVocab
 
 STEP_PREFIX = "step-"
@@ -75,29 +76,35 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def save_checkpoint(directory: Path, step: int, drafter: torch.nn.Module, optimizer, scheduler, progress: Progress, layout: Layout, keep: int = 2) -> None:
+def save_checkpoint(
+    directory: Path, step: int, drafter: torch.nn.Module, optimizer: DrafterOptimizer, progress: Progress, layout: Layout, keep: int = 2
+) -> None:
     """Every drafter rank calls this: the full state is gathered (FSDP shards, each rank's RNG) and rank 0 writes it."""
-    model_state, optimizer_state = get_state_dict(drafter, optimizer, options=_FULL)
+    model_state, optimizer_state = get_state_dict(drafter, optimizer.parts, options=_FULL)
     rng = distributed.gather_to_main(_rng_state(layout.device), layout)
     if layout.is_main:
         state = {
             "drafter": model_state,
             "optimizer": optimizer_state,
-            "scheduler": scheduler.state_dict(),
+            "schedules": optimizer.schedule_state(),
             "rng": rng,  # per drafter rank
             "progress": dataclasses.asdict(progress),
         }
         write_checkpoint(directory, step, state, keep)
 
 
-def load_checkpoint(path: Path, drafter: torch.nn.Module, optimizer, scheduler, layout: Layout) -> Progress:
+def load_checkpoint(path: Path, drafter: torch.nn.Module, optimizer: DrafterOptimizer, layout: Layout) -> Progress:
     """Every drafter rank loads the checkpoint rank 0 wrote."""
     # weights_only: the restricted unpickler, which cannot run code from the file.
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     if len(state["rng"]) != layout.drafter_world:
         raise InputError(f"{path} was written by {len(state['rng'])} drafter ranks, this run has {layout.drafter_world}: checkpoints resume the same topology")
-    set_state_dict(drafter, optimizer, model_state_dict=state["drafter"], optim_state_dict=state["optimizer"], options=_FULL)
-    scheduler.load_state_dict(state["scheduler"])
+    if len(state["schedules"]) != len(optimizer.parts):
+        raise InputError(
+            f"{path} holds the state of {len(state['schedules'])} optimizer(s), this run has {len(optimizer.parts)}: checkpoints resume the same train.optimizer"
+        )
+    set_state_dict(drafter, optimizer.parts, model_state_dict=state["drafter"], optim_state_dict=state["optimizer"], options=_FULL)
+    optimizer.load_schedule_state(state["schedules"])
     _set_rng_state(state["rng"][layout.rank], layout.device)
     return Progress(**state["progress"])
 

@@ -133,13 +133,25 @@ class TrainConfig:
     epochs: int = bounded(3, ge=1)
     batch_size: int = bounded(8, ge=1)  # samples per optimizer step, over all data-parallel ranks
     max_anchors: int = bounded(64, ge=1)
-    lr: float = bounded(6e-4, gt=0.0)
+    lr: float = bounded(6e-4, gt=0.0)  # AdamW's (with Muon: for the parameters that are not matrices)
     warmup_ratio: float = bounded(0.04, ge=0.0, lt=1.0)
+    lr_schedule: Literal["cosine", "linear"] = "cosine"  # the decay after the warmup, to zero at the last step
     weight_decay: float = bounded(0.0, ge=0.0)
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: torch.optim.Muon for the drafter's matrices, AdamW for the rest
+    muon_lr: float = bounded(1e-3, gt=0.0)  # on AdamW's scale (Muon's update matched to AdamW's RMS)
+    muon_weight_decay: float = bounded(0.1, ge=0.0)
     grad_clip: float = bounded(1.0, gt=0.0)
     gamma: float | None = bounded(None, gt=0.0)  # loss decay; default by block size (7 for B=16)
+    # decay: position k of a block weighs exp(-(k-1)/gamma); dpace: by D-PACE, from the drafter's own confidence
+    # at positions 1..k (speculators' rule, smoothed by dpace_alpha), which needs every position's loss.
+    position_weights: Literal["decay", "dpace"] = "decay"
+    dpace_alpha: float = bounded(0.5, gt=0.0, le=1.0)
     distill_top_k: int = bounded(0, ge=0)  # train against the target's top-k next-token probabilities (0: its greedy token)
     sample_loss_positions: bool = False  # unbiased position sampling: same expected loss, ~45% of the LM-head cost at B=16
+    # On text the target did not write: greedy_path trains a block position only while the text follows the target's
+    # greedy continuation; every_position labels each with the target's teacher-forced greedy token.
+    labels: Literal["greedy_path", "every_position"] = "greedy_path"
+    loss_normaliser: Literal["weights", "positions"] = "weights"  # the loss divides by the positions' weight sum, or by their count
     hidden_states: Literal["cache", "online"] = "cache"
     attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
     compile: bool = True
@@ -407,6 +419,11 @@ def _check_ranges(c: Config) -> None:
         raise ConfigError(f"eval.verify_cost: c(k)/c(1) for k = 1, 2, ...: a non-empty list of positive numbers, got {c.eval.verify_cost}")
     if c.eval.branches > 1 and not c.eval.gate:
         raise ConfigError(f"eval.branches: {c.eval.branches} alternatives per position need the gate to choose among them; set eval.gate: true, or branches: 1")
+    if c.train.position_weights == "dpace" and c.train.sample_loss_positions:
+        raise ConfigError(
+            "train.position_weights: dpace weighs each position by the drafter's confidence at the positions before it, so every "
+            "position's loss is needed; set train.sample_loss_positions: false"
+        )
     names = [s.name for s in c.eval.sets]
     if len(set(names)) != len(names):
         raise ConfigError(f"eval.sets: set names must be unique, got {names}")

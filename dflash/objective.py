@@ -38,6 +38,18 @@ def decay_weights(block_size: int, gamma: float) -> torch.Tensor:
     return weights
 
 
+def dpace_weights(cross_entropy: torch.Tensor, trained: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE's position weights ``[blocks, B]`` (speculators' ``dpace_loss_decay``), from each position's cross-entropy
+    ``[blocks, B]`` and which positions train (bool): with the smoothed confidence ``s_k = (1 - alpha) exp(-CE_k) + alpha``
+    at trained positions (1 elsewhere), position k weighs ``sum_{j >= k} s_1 ... s_j`` over the trained j: how much of
+    the expected acceptance length rides on position k being right. Nothing flows back through the weights."""
+    with torch.no_grad():
+        trained = trained.to(torch.float32)
+        smooth = torch.where(trained > 0, (1.0 - alpha) * torch.exp(-cross_entropy.float()) + alpha, torch.ones_like(trained))
+        prefix = smooth.cumprod(-1)
+        return (prefix * trained).flip(-1).cumsum(-1).flip(-1) * trained
+
+
 def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to ``max_anchors`` anchor positions per row, drawn without replacement, sorted.
 
@@ -88,12 +100,14 @@ def build_blocks(
     mask_token_id: int,
     greedy: torch.Tensor | None = None,
     soft: tuple[torch.Tensor, torch.Tensor] | None = None,
+    greedy_path_only: bool = True,
 ) -> Blocks:
     """``position_weights`` ``[B]``: the loss weight of each block position (``decay_weights``); its length is the
     block size. ``greedy`` ``[b, S]``: the target's greedy next token after each position. Position ``k`` is then
     labelled ``greedy[a + k - 1]`` and trained only where ``token[a + j] == greedy[a + j - 1]`` for every
-    ``0 < j < k``, so that its label is the target's own continuation of the block; without ``greedy``
-    (text the target wrote) the label is ``token[a + k]``. ``soft`` (with ``greedy``): the target's top-k
+    ``0 < j < k``, so that its label is the target's own continuation of the block (``greedy_path_only=False``:
+    trained at every position, on the target's teacher-forced token after the text as it stands); without
+    ``greedy`` (text the target wrote) the label is ``token[a + k]``. ``soft`` (with ``greedy``): the target's top-k
     next tokens and their probabilities ``[b, S, k]`` after each position, gathered like the labels and
     renormalised over the k."""
     batch, seq_len = input_ids.shape
@@ -111,7 +125,8 @@ def build_blocks(
         agrees = labels == predicted  # the text's token a+k is the target's greedy one
         # Position k needs agreement at 1..k-1: an exclusive running product over the block.
         follows = torch.cat([torch.ones_like(agrees[:, :, :2]), agrees[:, :, 1:-1]], dim=-1).cumprod(-1).bool()
-        weights = weights * follows
+        if greedy_path_only:
+            weights = weights * follows
         labels = predicted
     soft_ids = soft_probs = None
     if soft is not None:
@@ -144,6 +159,14 @@ def sample_positions(weights: torch.Tensor, generator: torch.Generator | None = 
         return weights
     keep = torch.rand(weights.shape, generator=generator).to(weights.device) * top < weights
     return torch.where(keep, top, torch.zeros_like(weights))
+
+
+def loss_normaliser(weights: torch.Tensor, kind: str) -> torch.Tensor:
+    """What a batch's weighted loss is divided by: the sum of its positions' weights, or the count of its positions
+    of positive weight (``positions``: each position weighs its own weight, whatever the others weigh)."""
+    if kind == "positions":
+        return (weights > 0).sum().to(weights.dtype)
+    return weights.sum()
 
 
 def decayed_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
@@ -179,13 +202,17 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
     gradient with respect to the hidden states is computed in the forward pass (the head is frozen,
     so nothing else needs the logits). Also returns the top-1 predictions. The head is never copied:
     each chunk of hidden states is cast to the head's dtype, and the softmax is taken in fp32.
+
+    ``reweight`` (D-PACE): a function of every row's cross-entropy ``[N]`` that gives the rows' weights in place of
+    ``weights``; each row's gradient is then computed unweighted and scaled once the weights are known, so the
+    head is still read once per row.
     """
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, weights, total, chunk, probs=None):
+    def forward(ctx, hidden, head_weight, labels, weights, total, chunk, probs=None, reweight=None):
         if labels.dim() == 1:
             labels, probs = labels[:, None], torch.ones(labels.shape[0], 1, device=labels.device)
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        cross_entropy = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         predictions = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
         for begin in range(0, hidden.shape[0], chunk):
@@ -193,18 +220,23 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
             logits = (h @ head_weight.t()).float()
             y, q, w = labels[begin : begin + chunk], probs[begin : begin + chunk].float(), weights[begin : begin + chunk]
             lse = torch.logsumexp(logits, dim=-1)
-            loss += ((lse - (logits.gather(1, y) * q).sum(1)) * w).sum()
+            cross_entropy[begin : begin + chunk] = lse - (logits.gather(1, y) * q).sum(1)
             predictions[begin : begin + chunk] = logits.argmax(-1)
             if grad is not None:
                 softmax = torch.exp(logits - lse[:, None])
                 softmax.scatter_add_(1, y, -q)
-                softmax *= (w / total)[:, None]
+                if reweight is None:
+                    softmax *= (w / total)[:, None]
                 grad[begin : begin + chunk] = softmax.to(head_weight.dtype) @ head_weight
+        if reweight is not None:
+            weights = reweight(cross_entropy)
+            if grad is not None:
+                grad *= (weights / total)[:, None].to(grad.dtype)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(predictions)
-        return loss / total, predictions
+        return (cross_entropy * weights).sum() / total, predictions
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_predictions):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None, None

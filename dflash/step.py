@@ -22,7 +22,7 @@ from dflash.decoding.calibration import acceptance_lengths
 from dflash.distributed import Layout, all_reduce_sum
 from dflash.kernels import projection
 from dflash.model import DFlashConfig, DFlashDrafter
-from dflash.objective import FrozenHeadCrossEntropy, position_accuracy
+from dflash.objective import FrozenHeadCrossEntropy, dpace_weights, position_accuracy
 from dflash.target import Target, native_bf16
 from dflash.vocab import DraftVocab
 
@@ -68,10 +68,17 @@ def drafter_hidden(drafter_forward, target: Target, batch: Batch, attention_back
 
 
 def drafter_loss(
-    drafter_forward, target: Target, batch: Batch, attention_backend: str, head_chunk: int, head: torch.Tensor | None = None
+    drafter_forward,
+    target: Target,
+    batch: Batch,
+    attention_backend: str,
+    head_chunk: int,
+    head: torch.Tensor | None = None,
+    dpace_alpha: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The decayed loss of one batch through the frozen ``head`` (the target's LM head, or its draft-vocabulary
-    rows, which the batch's labels index); also per-position correct and counted predictions."""
+    """The weighted loss of one batch through the frozen ``head`` (the target's LM head, or its draft-vocabulary
+    rows, which the batch's labels index); also per-position correct and counted predictions. With ``dpace_alpha``
+    the positions the batch trains are weighted by D-PACE (``dflash.objective.dpace_weights``) instead of its weights."""
     device = target.device
     blocks = batch.blocks
     block_size = blocks.input_ids.shape[1] // batch.anchors.shape[1]
@@ -83,6 +90,13 @@ def drafter_loss(
         labels, probs = blocks.soft_ids.to(device).flatten(0, 1)[rows], blocks.soft_probs.to(device).flatten(0, 1)[rows]
     else:
         labels, probs = blocks.labels.to(device).flatten()[rows], None
+    reweight = None
+    if dpace_alpha is not None:
+
+        def reweight(cross_entropy: torch.Tensor) -> torch.Tensor:
+            per_block = torch.zeros_like(weights).index_put_((rows,), cross_entropy).view(-1, block_size)
+            return dpace_weights(per_block, (weights > 0).view(-1, block_size), dpace_alpha).flatten()[rows]
+
     loss, predictions = FrozenHeadCrossEntropy.apply(
         hidden.flatten(0, 1)[drafted],
         target.lm_head.weight if head is None else head,
@@ -91,6 +105,7 @@ def drafter_loss(
         batch.weight_total.to(device),
         head_chunk,
         probs,
+        reweight,
     )
     all_predictions = torch.full_like(weights, -1, dtype=torch.long)
     all_predictions[rows] = predictions
@@ -114,7 +129,8 @@ def normalise_globally(batch: Batch, layout: Layout) -> None:
 
 
 def train_step(forward, drafter: torch.nn.Module, optimizer, target: Target, batch: Batch, cfg: TrainConfig, head: torch.Tensor | None = None):
-    """One optimizer step: loss, backward, clipping, update (``head`` as in ``drafter_loss``).
+    """One optimizer step: loss, backward, clipping, update (``head`` as in ``drafter_loss``; ``optimizer`` a
+    ``dflash.optim.DrafterOptimizer``, which also steps the schedule, or a torch optimizer).
 
     ``forward`` is the (compiled) drafter, wrapped in DDP when several ranks
     train: its backward then leaves every rank with the averaged gradient.
@@ -122,8 +138,9 @@ def train_step(forward, drafter: torch.nn.Module, optimizer, target: Target, bat
     device = target.device
     dtype = autocast_dtype(cfg.precision, device)
     with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-        loss, correct, counted = drafter_loss(forward, target, batch, cfg.attention_backend, cfg.head_chunk, head)
-    optimizer.zero_grad(set_to_none=True)
+        dpace_alpha = cfg.dpace_alpha if cfg.position_weights == "dpace" else None
+        loss, correct, counted = drafter_loss(forward, target, batch, cfg.attention_backend, cfg.head_chunk, head, dpace_alpha)
+    optimizer.zero_grad()
     loss.backward()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
     optimizer.step()
@@ -209,8 +226,8 @@ class ValidationData:
 
 
 def validation_outcomes(drafter, target: Target, project, data: ValidationData, config: DFlashConfig, cfg: TrainConfig, ranks: int = 1) -> BlockOutcomes:
-    """``block_outcomes`` over all of ``data`` in this process, every position weighted."""
-    cfg = dataclasses.replace(cfg, sample_loss_positions=False)
+    """``block_outcomes`` over all of ``data`` in this process, every position weighted, on the target's greedy path."""
+    cfg = dataclasses.replace(cfg, sample_loss_positions=False, labels="greedy_path")
     count = len(data.samples)
     batches = (data.batch(list(range(begin, min(count, begin + cfg.batch_size))), config, cfg) for begin in range(0, count, cfg.batch_size))
     return BlockOutcomes.cat([block_outcomes(drafter, target, project, batch, cfg, ranks) for batch in batches])
@@ -222,7 +239,7 @@ def validation_metrics(
 ) -> tuple[list[float], float]:
     """Per-position accuracy (positions 0..B-1; 0 is never drafted) and teacher-forced τ of ``drafter`` on ``data``,
     every position weighted, summed over the drafter ranks."""
-    cfg = dataclasses.replace(cfg, sample_loss_positions=False)
+    cfg = dataclasses.replace(cfg, sample_loss_positions=False, labels="greedy_path")
     count, span, block = len(data.samples), cfg.batch_size * layout.drafter_world, config.block_size
     sums = torch.zeros(2 * block + 2, dtype=torch.float64)  # correct, counted per position; τ sum, blocks
     # The same batches on every rank, so that each takes part in every forward (FSDP gathers parameters in each).

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import shutil
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from dflash.compile_cache import compile_cache_hits, log_compile_cache_hits, use
 from dflash.distributed import Layout
 from dflash.features import CachedFeatures, HiddenStateCache, Meter, OnlineFeatures, total_rate
 from dflash.metrics import MetricsLog, TokenRate, Validator
+from dflash.optim import build_optimizer
 from dflash.run import RunContext, RunPaths, RunSettings, TrainResult, resumable_settings
 from dflash.step import ValidationData, compile_drafter, drafter_config_for, normalise_globally, train_step, training_drafter
 from dflash.target import Target, preparation_dtype
@@ -36,15 +36,6 @@ from dflash.transport import ReceivedFeatures, serve_features
 from dflash.vocab import DraftVocab
 
 log = logging.getLogger(__name__)
-
-
-def lr_factor(step: int, total_steps: int, warmup_ratio: float) -> float:
-    """Linear warmup then cosine decay to zero."""
-    warmup = max(1, int(math.ceil(warmup_ratio * total_steps)))
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total_steps - warmup)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 class Batches:
@@ -154,18 +145,16 @@ def _train(run: RunContext, batches: Batches, first: int, checkpoint: Path | Non
     drafter = training_drafter(run.config, cfg, layout.device)
     distributed.shard(drafter, layout)
     forward = distributed.replicate(compile_drafter(drafter, cfg.compile), layout)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, schedule.total, cfg.warmup_ratio))
+    optimizer = build_optimizer(drafter, cfg, schedule.total)
     progress = Progress.fresh(run.config.block_size)
     if checkpoint is not None:
-        progress = load_checkpoint(checkpoint, drafter, optimizer, scheduler, layout)
+        progress = load_checkpoint(checkpoint, drafter, optimizer, layout)
         log.info("resuming from %s (step %d of %d)", checkpoint, first, schedule.total)
     metrics, throughput, head, loss = MetricsLog(run, progress, validator, tracker), TokenRate(), run.head(), float("nan")
     with tqdm(total=schedule.total, initial=first, desc="training drafter", unit="step", disable=not layout.is_main) as bar:
         for step in range(first, schedule.total):
             batch, tokens = batches(step)
             step_loss, correct, counted, grad_norm = train_step(forward, drafter, optimizer, run.target, batch, cfg, head)
-            scheduler.step()
             loss = metrics.count(step_loss, correct, counted)
             rate = throughput.step(tokens)
             bar.update(1)
@@ -174,10 +163,10 @@ def _train(run: RunContext, batches: Batches, first: int, checkpoint: Path | Non
             if step == first and cfg.compile:
                 log_compile_cache_hits(log)
             if done % cfg.log_every == 0 or done == schedule.total:
-                values = {"epoch": schedule.epoch(step), "loss": loss, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate}
+                values = {"epoch": schedule.epoch(step), "loss": loss, "grad_norm": grad_norm, "lr": optimizer.lr, "tokens_per_s": rate}
                 metrics.log(done, drafter, values)
             if done % cfg.checkpoint_every == 0 and done < schedule.total:
-                save_checkpoint(run.paths.checkpoints, done, drafter, optimizer, scheduler, progress, layout)
+                save_checkpoint(run.paths.checkpoints, done, drafter, optimizer, progress, layout)
     end = time.perf_counter()
     save_drafter(drafter, run.config, run.paths.drafter, layout, run.vocab, run.target.lm_head.weight)
     accuracy, tau = metrics.final_validation()

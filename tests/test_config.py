@@ -47,6 +47,8 @@ def test_empty_config_takes_every_default():
         ({"serve": {"tolerance": 1.0}}, "serve.tolerance: must be less than 1.0"),
         ({"data": {"generation": {"top_p": 1.5}}}, "data.generation.top_p: must be at most 1.0"),
         ({"train": {"grad_clip": 0}}, "train.grad_clip: must be greater than 0.0"),
+        ({"train": {"optimizer": "sgd"}}, "train.optimizer"),
+        ({"train": {"position_weights": "dpace", "sample_loss_positions": True}}, "train.position_weights: dpace weighs each position"),
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(raw, key):

@@ -7,7 +7,16 @@ import math
 import pytest
 import torch
 
-from dflash.objective import build_blocks, decay_weights, decayed_loss, default_gamma, position_accuracy, sample_anchors
+from dflash.objective import (
+    build_blocks,
+    decay_weights,
+    decayed_loss,
+    default_gamma,
+    dpace_weights,
+    loss_normaliser,
+    position_accuracy,
+    sample_anchors,
+)
 
 # -- anchors ----------------------------------------------------------------------------------
 
@@ -135,6 +144,44 @@ def test_greedy_labels_follow_the_targets_continuation_until_the_text_leaves_it(
     own = build_blocks(input_ids, loss_mask, anchors, valid, decay_weights(4, 1e9), MASK_ID, greedy=torch.cat([input_ids[:, 1:], input_ids[:, :1]], 1))
     plain = build_blocks(input_ids, loss_mask, anchors, valid, decay_weights(4, 1e9), MASK_ID)
     assert torch.equal(own.labels, plain.labels) and torch.equal(own.weights, plain.weights)
+
+
+def test_every_position_labels_train_each_position_on_the_targets_teacher_forced_token():
+    """The same reply with ``greedy_path_only=False``: the labels are unchanged (the target's greedy token after
+    a+k-1, the text as it stands), and every position in range and in the loss mask trains, past a disagreement too."""
+    input_ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17]])
+    greedy = torch.tensor([[11, 12, 13, 40, 15, 41, 17, 0]])
+    anchors, valid = torch.tensor([[1, 4]]), torch.tensor([[True, True]])
+    loss_mask = torch.ones(1, 8)
+    blocks = build_blocks(input_ids, loss_mask, anchors, valid, decay_weights(4, 1e9), MASK_ID, greedy=greedy, greedy_path_only=False)
+    assert blocks.labels.tolist() == [[11, 12, 13, 40, 40, 15, 41, 17]]
+    # After anchor 4, position 3 (text position 7) trains on 17, the target's token after 6, although the text left
+    # the greedy path at 6 (16, where the target writes 41); on the greedy path alone it does not.
+    assert blocks.weights.tolist() == [[0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]]
+    on_path = build_blocks(input_ids, loss_mask, anchors, valid, decay_weights(4, 1e9), MASK_ID, greedy=greedy)
+    assert on_path.weights.tolist() == [[0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]]
+    # Outside the loss mask nothing trains either way.
+    loss_mask[0, 7] = 0
+    blocks = build_blocks(input_ids, loss_mask, anchors, valid, decay_weights(4, 1e9), MASK_ID, greedy=greedy, greedy_path_only=False)
+    assert blocks.weights.tolist() == [[0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]]
+
+
+def test_the_loss_normaliser_is_the_weight_sum_or_the_count_of_weighted_positions():
+    weights = torch.tensor([[0.0, 1.0, 0.5, 0.25, 0.0, 1.0, 0.0, 0.0]])
+    assert loss_normaliser(weights, "weights").item() == pytest.approx(2.75)
+    assert loss_normaliser(weights, "positions").item() == 4.0
+
+
+def test_dpace_weighs_each_position_by_the_acceptance_that_rides_on_it():
+    """Speculators' rule by hand, alpha 0.5. Block one trains positions 1..3 with confidences 0.8, 0.5, 0.2: smoothed
+    0.9, 0.75, 0.6; their running products 0.9, 0.675, 0.405; each position weighs the sum of the products from
+    itself on. Block two does not train position 2 (smoothed 1, weighed 0); the products run on past it."""
+    confidence = torch.tensor([[1.0, 0.8, 0.5, 0.2], [1.0, 0.8, 0.3, 0.2]])
+    trained = torch.tensor([[False, True, True, True], [False, True, False, True]])
+    weights = dpace_weights(-confidence.log(), trained, alpha=0.5)
+    torch.testing.assert_close(weights, torch.tensor([[0.0, 1.98, 1.08, 0.405], [0.0, 1.44, 0.0, 0.54]]))
+    # A drafter sure of every position (confidence 1) weighs position k by the trained positions from k on.
+    torch.testing.assert_close(dpace_weights(torch.zeros(1, 4), torch.tensor([[False, True, True, True]]), 0.5), torch.tensor([[0.0, 3.0, 2.0, 1.0]]))
 
 
 def test_block_weights_follow_the_recipes_decay():

@@ -38,11 +38,11 @@ def inputs(tmp_path_factory):
     return manifest, samples
 
 
-def train_command(inputs, work: Path) -> list[str]:
+def train_command(inputs, work: Path, **train) -> list[str]:
     manifest, samples = inputs
     return [
         sys.executable, "-m", "dflash", "train",
-        "--drafter", json.dumps(DRAFTER), "--train", json.dumps(TRAIN), "--topology", "{}", "--tracking", json.dumps({"wandb_mode": "disabled"}),
+        "--drafter", json.dumps(DRAFTER), "--train", json.dumps(TRAIN | train), "--topology", "{}", "--tracking", json.dumps({"wandb_mode": "disabled"}),
         "--target-manifest", str(manifest), "--samples", str(samples),
         "--out-dir", str(work / "train"), "--checkpoint-dir", str(work / "cache"),
     ]  # fmt: skip
@@ -58,11 +58,13 @@ def checkpoint_steps(cache: Path) -> list[int]:
     return sorted(int(p.name.removeprefix("step-")) for p in cache.glob("*/step-*") if (p / "meta.json").is_file())
 
 
-def test_kill_9_mid_run_then_rerun_ends_with_the_uninterrupted_weights(tmp_path, inputs):
-    uninterrupted = run_to_end(train_command(inputs, tmp_path / "a"))
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_kill_9_mid_run_then_rerun_ends_with_the_uninterrupted_weights(tmp_path, inputs, optimizer):
+    """Every optimizer's state and schedule resume: Muon's momentum and AdamW's moments, each part's schedule."""
+    uninterrupted = run_to_end(train_command(inputs, tmp_path / "a", optimizer=optimizer))
     assert uninterrupted["resumed_from"] == 0 and uninterrupted["steps"] == STEPS
 
-    command = train_command(inputs, tmp_path / "b")
+    command = train_command(inputs, tmp_path / "b", optimizer=optimizer)
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
     deadline = time.monotonic() + 300
     while not checkpoint_steps(tmp_path / "b" / "cache") and process.poll() is None and time.monotonic() < deadline:

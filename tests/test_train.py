@@ -5,8 +5,7 @@ import torch
 
 from dflash.batch import epoch_order, global_batches, rank_slice
 from dflash.metrics import validation_due
-from dflash.objective import FrozenHeadCrossEntropy, decayed_loss, sample_positions
-from dflash.train import lr_factor
+from dflash.objective import FrozenHeadCrossEntropy, decayed_loss, dpace_weights, sample_positions
 
 
 def test_frozen_head_cross_entropy_matches_autograd_of_the_decayed_loss():
@@ -51,6 +50,29 @@ def test_frozen_head_cross_entropy_against_a_distribution_matches_autograd():
     assert one_hot.item() == pytest.approx(hard.item(), rel=1e-7)
 
 
+def test_frozen_head_cross_entropy_reweighted_by_dpace_matches_autograd():
+    """With ``reweight`` the loss is sum(CE · w(CE)) / total, its gradient that of CE with the weights held fixed."""
+    torch.manual_seed(0)
+    hidden = torch.randn(24, 16, requires_grad=True)
+    head = torch.randn(50, 16)
+    labels = torch.randint(0, 50, (24,))
+    trained = torch.rand(6, 4) > 0.3
+
+    def reweight(cross_entropy):
+        return dpace_weights(cross_entropy.view(6, 4), trained, 0.5).flatten()
+
+    total = torch.tensor(17.0)
+    loss, _ = FrozenHeadCrossEntropy.apply(hidden, head, labels, torch.ones(24), total, 5, None, reweight)
+    loss.backward()
+    chunked_grad = hidden.grad.clone()
+    hidden.grad = None
+    cross_entropy = torch.nn.functional.cross_entropy(hidden @ head.t(), labels, reduction="none")
+    reference = (cross_entropy * reweight(cross_entropy.detach())).sum() / total
+    reference.backward()
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    torch.testing.assert_close(chunked_grad, hidden.grad, rtol=1e-5, atol=1e-7)
+
+
 def test_sampled_positions_are_unbiased_and_cheaper():
     decay = torch.exp(-torch.arange(15.0) / 7.0)
     weights = torch.cat([torch.zeros(1), decay]).repeat(4, 1)  # 4 blocks of B=16, position 0 unweighted
@@ -73,15 +95,6 @@ def test_sample_order_is_a_function_of_seed_and_epoch_only():
     assert sorted(i for b in batches for i in b) == list(range(10))
     shares = [rank_slice(batches[0], r, 3) for r in range(3)]
     assert sorted(i for s in shares for i in s) == sorted(batches[0])
-
-
-def test_learning_rate_warms_up_then_decays_to_zero():
-    total, warmup = 100, 0.04
-    assert lr_factor(0, total, warmup) == pytest.approx(0.25)
-    assert lr_factor(3, total, warmup) == pytest.approx(1.0)
-    assert lr_factor(4, total, warmup) == pytest.approx(1.0)
-    assert lr_factor(52, total, warmup) == pytest.approx(0.5, abs=1e-6)
-    assert lr_factor(100, total, warmup) == pytest.approx(0.0, abs=1e-12)
 
 
 def test_validation_rides_on_the_first_row_after_each_multiple():

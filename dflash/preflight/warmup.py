@@ -86,6 +86,7 @@ def _compile_seconds() -> float:
 def _step_main(spec: dict, report_path: Path) -> None:
     """One process's warmup: the training step on a batch of each shape, timed, with cache counters."""
     start = time.perf_counter()
+    from dflash.optim import build_optimizer
     from dflash.preflight.synthetic import synthetic_batch
     from dflash.step import compile_drafter, drafter_config_for, train_step, training_drafter
     from dflash.target import load_from_manifest, preparation_dtype
@@ -102,7 +103,7 @@ def _step_main(spec: dict, report_path: Path) -> None:
     config = drafter_config_for(target, drafter_cfg)
     drafter = training_drafter(config, train_cfg, device)
     forward = compile_drafter(drafter, enabled=True)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
+    optimizer = build_optimizer(drafter, train_cfg, total_steps=len(spec["shapes"]))
     report: dict = {"startup_seconds": time.perf_counter() - start, "threads": torch.get_num_threads(), "steps": []}
     for seed, (rows, length) in enumerate(spec["shapes"]):
         # Rows from ``length`` down to half of it: padded to ``length``, as a real batch of that shape is.
