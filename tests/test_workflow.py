@@ -384,6 +384,29 @@ def test_training_metrics_and_warm_start(e2e, test_config):
 
 
 @pytest.mark.slow
+def test_the_training_levers_benchmark_trains_each_arm_on_the_runs_results(e2e, tmp_path):
+    """benchmarks/training_levers.py on the run's data, target and compile cache: the default and every lever of the
+    field's recipe at once each train to the end of their schedule, validated on the way."""
+    workdir = e2e["workdir"]
+    recipe = {
+        "optimizer": "muon", "lr_schedule": "linear", "position_weights": "dpace", "sample_loss_positions": False,
+        "labels": "every_position", "loss_normaliser": "positions",
+    }  # fmt: skip
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "training_levers.py"), "--config", "config/config.yaml", "--results", "results",
+        "--out", str(tmp_path), "--steps", "4", "--validate-every", "2", "--arm", "default", "{}", "--arm", "recipe", json.dumps(recipe),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=workdir, env=e2e["env"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, readable(result.stdout + result.stderr)
+    rows = json.loads((tmp_path / "levers.json").read_text())["rows"]
+    assert [row["arm"] for row in rows] == ["default", "recipe"]
+    for row in rows:
+        assert row["steps"] == 4 and 1.0 <= row["validation_tau"] <= 4.0 and [point["step"] for point in row["curve"]] == [2, 4]
+        assert row["seconds_per_step"] > 0 and row["equal_time_tau"] is not None
+    assert "recipe: " in result.stdout and "written to" in result.stdout
+
+
+@pytest.mark.slow
 def test_preflight_verdicts_are_ok(e2e):
     preflight = e2e["workdir"] / "results" / "preflight"
     for name in ("env.json", "smoke_imports.json", "repro_fx_race.json", "warmup/cpu.json"):

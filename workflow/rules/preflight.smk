@@ -85,7 +85,13 @@ rule warmup_cache:
         devices=" ".join(WARMUP_DEVICES),
         drafter=section("drafter"),
         # Not the keys that only the training loop reads: the compiled step does not change with them.
-        train=section("train", without=["epochs", "warmup_ratio", "lr", "weight_decay", "checkpoint_every", "log_every"]),
+        train=section(
+            "train",
+            without=[
+                "epochs", "warmup_ratio", "lr_schedule", "optimizer", "lr", "weight_decay", "muon_lr", "muon_weight_decay",
+                "labels", "loss_normaliser", "position_weights", "dpace_alpha", "checkpoint_every", "log_every",
+            ],
+        ),
         topology=TOPOLOGY,
         out_dir=lambda wc, output: Path(output[0]).parent,
         # The caches (one per device) outlive the job's declared outputs on purpose: training reads them.
